@@ -1,0 +1,1 @@
+"""ray_integration (see issues: not built yet)."""

@@ -1,0 +1,68 @@
+"""torchtpu: PyTorch on TPUs through JAX/XLA.
+
+``import torchtpu`` registers the ``tpu`` device. Every op on a tpu tensor runs
+as an XLA executable: on a TPU host on the TPU, elsewhere on XLA's CPU (or GPU)
+backend with the same code.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_ENABLE_X64", "1")  # int64 stays int64, float64 stays float64
+
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+import torch  # noqa: E402
+
+from . import device as _device  # noqa: E402
+
+_device.register()
+
+from . import fallback as _fallback  # noqa: E402
+from . import metrics  # noqa: E402
+from . import registry as _registry  # noqa: E402
+from . import ops  # noqa: E402,F401
+from .fallback import TPUFallbackWarning, cpu_fallback_enabled, set_cpu_fallback  # noqa: E402
+from .interop import from_jax, to_jax  # noqa: E402
+from .runtime import (  # noqa: E402
+    enable_persistent_cache,
+    execution_mode,
+    get_execution_mode,
+    set_execution_mode,
+    synchronize,
+)
+
+_registry.register_all()
+_fallback.install()
+
+if os.environ.get("TORCHTPU_COMPILATION_CACHE_DIR"):
+    enable_persistent_cache(os.environ["TORCHTPU_COMPILATION_CACHE_DIR"])
+
+
+def sync() -> None:
+    """Make every pending tpu computation complete (``torch.tpu.synchronize()``)."""
+    synchronize()
+
+
+def device() -> torch.device:
+    return torch.device("tpu", 0)
+
+
+__all__ = [
+    "TPUFallbackWarning",
+    "cpu_fallback_enabled",
+    "device",
+    "enable_persistent_cache",
+    "execution_mode",
+    "from_jax",
+    "get_execution_mode",
+    "metrics",
+    "set_cpu_fallback",
+    "set_execution_mode",
+    "sync",
+    "synchronize",
+    "to_jax",
+]

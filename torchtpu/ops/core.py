@@ -1,0 +1,234 @@
+"""Kernels that are not lowerings: metadata-only views, copies across devices,
+factories, host reads and storage resizing."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from .. import dtypes, storage
+from ..device import check_device
+from ..registry import impl, logical_value, lower
+
+aten = torch.ops.aten
+_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+# ---------------------------------------------------------------- views: metadata only
+def _metadata_view(op):
+    handle = op._handle
+
+    def kernel(*args, **kwargs):
+        return handle.redispatch_boxed(_CPU, *args, **kwargs)
+
+    return kernel
+
+
+for _name in (
+    "as_strided",
+    "view",
+    "_reshape_alias",
+    "unfold",
+    "view_as_real",
+    "view_as_complex",
+    "as_strided_",
+    "set_.source_Tensor",
+    "set_.source_Storage",
+    "set_.source_Storage_storage_offset",
+):
+    _qual = _name if "." in _name else _name + ".default"
+    _pkt, _ov = _qual.split(".")
+    impl(_qual)(_metadata_view(getattr(getattr(aten, _pkt), _ov)))
+
+
+@impl("view.dtype")
+def _view_dtype(self, dtype):
+    if dtype == self.dtype:
+        return aten.alias.default(self)
+    if dtype.itemsize != self.dtype.itemsize:
+        raise RuntimeError(
+            f"torchtpu: view(dtype) between dtypes of different sizes ({self.dtype} -> {dtype}) "
+            "is not supported on tpu"
+        )
+    value = jax.lax.bitcast_convert_type(logical_value(self), dtypes.to_jax(dtype))
+    # a bitcast view shares no buffer with its source on XLA: results are a copy
+    return storage.new_tensor(self.shape, dtype, value.reshape(-1))
+
+
+# ---------------------------------------------------------------- factories
+def _check_factory(device, dtype):
+    check_device(device)
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    dtypes.to_jax(dtype)  # clear error for an unsupported dtype
+    return dtype
+
+
+@impl("empty.memory_format")
+def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    dtype = _check_factory(device, dtype)
+    if any(s < 0 for s in size):
+        raise RuntimeError(f"Trying to create tensor with negative dimension {min(size)}: {list(size)}")
+    return storage.new_tensor(size, dtype)
+
+
+@impl("empty_strided")
+def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    dtype = _check_factory(device, dtype)
+    if any(s < 0 for s in size):
+        raise RuntimeError(f"Trying to create tensor with negative dimension {min(size)}: {list(size)}")
+    return storage.new_tensor(size, dtype, stride=tuple(stride))
+
+
+@lower("scalar_tensor")
+def _scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
+    check_device(device)
+    return jnp.asarray(s)
+
+
+@lower("arange.start_step", static=("start", "end", "step"))
+def _arange(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
+    check_device(device)
+    n = max(0, math.ceil((end - start) / step))
+    return start + jnp.arange(n) * step
+
+
+@lower("arange.default", static=("end",))
+def _arange0(end, dtype=None, layout=None, device=None, pin_memory=None):
+    check_device(device)
+    return jnp.arange(end)
+
+
+@lower("arange.start", static=("start", "end"))
+def _arange1(start, end, dtype=None, layout=None, device=None, pin_memory=None):
+    check_device(device)
+    return jnp.arange(start, end)
+
+
+# ---------------------------------------------------------------- copies
+def _cpu_to_jax(t: torch.Tensor):
+    return jnp.asarray(dtypes.cpu_tensor_to_numpy(t.contiguous()))
+
+
+@impl("copy_")
+def _copy_(dst, src, non_blocking=False):
+    if dst.device.type == "tpu":
+        if src.device.type == "tpu":
+            value = logical_value(src)
+        elif src.device.type == "cpu":
+            value = _cpu_to_jax(src)
+        else:
+            raise RuntimeError(f"torchtpu: cannot copy from {src.device} to tpu")
+        _write_value(dst, value)
+        return dst
+    # dst on cpu (or elsewhere), src on tpu
+    host = dtypes.numpy_to_torch(storage.to_numpy_host(src), src.dtype)
+    with torch._C._DisableAutocast() if hasattr(torch._C, "_DisableAutocast") else _null():
+        dst.copy_(host)
+    return dst
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+_write_cache: dict = {}
+
+
+def _write_value(dst, value):
+    """Write jax ``value`` (broadcast and cast) into tpu tensor ``dst``."""
+    sd = storage.storage_data(dst)
+    lay = storage.layout(dst)
+    size = lay[0]
+    if tuple(value.shape) != tuple(size):
+        try:
+            jnp.broadcast_shapes(value.shape, size)
+        except ValueError:
+            raise RuntimeError(
+                f"The size of tensor a ({list(size)}) must match the size of tensor b ({list(value.shape)})"
+            ) from None
+    numel = math.prod(size)
+    if (lay[2] == 0 and sd.buf.shape[0] == numel and storage._is_contiguous(size, lay[1])
+            and tuple(value.shape) == tuple(size)):
+        jd = dtypes.to_jax(dst.dtype)
+        v = value if value.dtype == jd else _cast(value, jd)
+        sd.buf = v if v.ndim == 1 else v.reshape(-1)
+        return
+    key = (lay, sd.buf.shape[0], sd.buf.dtype, value.shape, value.dtype)
+    fn = _write_cache.get(key)
+    if fn is None:
+        fn = jax.jit(lambda b, v: storage.write(b, lay, v))
+        _write_cache[key] = fn
+    sd.buf = fn(sd.buf, value)
+
+
+_cast_cache: dict = {}
+
+
+def _cast(value, jd):
+    key = (value.dtype, jd)
+    fn = _cast_cache.get(key)
+    if fn is None:
+        fn = jax.jit(lambda v: v.astype(jd))
+        _cast_cache[key] = fn
+    return fn(value)
+
+
+@impl("_to_copy")
+def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
+    dtype = self.dtype if dtype is None else dtype
+    target = torch.device("tpu") if device is None else torch.device(device)
+    if self.device.type == "tpu" and target.type == "tpu":
+        check_device(target)
+        value = logical_value(self)
+        jd = dtypes.to_jax(dtype)
+        if value.dtype != jd:
+            value = _cast(value, jd)
+        return storage.new_tensor(self.shape, dtype, value.reshape(-1) if value.ndim != 1 else value)
+    if self.device.type == "tpu" and target.type == "cpu":
+        host = dtypes.numpy_to_torch(storage.to_numpy_host(self), self.dtype)
+        if dtype != self.dtype:
+            host = host.to(dtype)
+        if pin_memory:
+            host = host.pin_memory()
+        return host
+    if target.type == "tpu":  # cpu -> tpu arrives here only through explicit dispatch
+        check_device(target)
+        value = _cpu_to_jax(self.to(dtype))
+        return storage.new_tensor(self.shape, dtype, value.reshape(-1))
+    raise RuntimeError(f"torchtpu: cannot copy a tpu tensor to {target}")
+
+
+@impl("_local_scalar_dense")
+def _local_scalar_dense(self):
+    arr = storage.to_numpy_host(self)
+    return arr.reshape(()).item() if arr.dtype != np.dtype(jnp.bfloat16) else float(arr.reshape(()))
+
+
+@impl("resize_")
+def _resize_(self, size, memory_format=None):
+    size = tuple(size)
+    if tuple(self.shape) == size:
+        return self
+    old_numel = math.prod(self.shape)
+    new_numel = math.prod(size)
+    sd = storage.storage_data(self)
+    if new_numel <= sd.buf.shape[0] - self.storage_offset() and self.is_contiguous():
+        # fits in the existing storage: a metadata change, as on CPU
+        aten.set_.source_Storage_storage_offset(self, self.untyped_storage(), self.storage_offset(),
+                                                size, storage.contiguous_strides(size))
+        return self
+    flat = logical_value(self).reshape(-1) if old_numel else jnp.zeros((0,), dtypes.to_jax(self.dtype))
+    if new_numel > flat.shape[0]:
+        flat = jnp.concatenate([flat, jnp.zeros((new_numel - flat.shape[0],), flat.dtype)])
+    else:
+        flat = flat[:new_numel]
+    storage.replace_storage(self, size, flat)
+    return self

@@ -1,0 +1,575 @@
+"""The one op registry: aten op -> JAX implementation, and the per-op kernels.
+
+A lowering is a function over jax arrays written for the *functional* form of
+an op (``aten::add.Tensor``). From it the registry builds one ``torch.library``
+kernel per op for the PrivateUse1 key, and derives the in-place (``add_``) and
+``out=`` (``add.out``) forms, so each op is written once.
+
+Each kernel call becomes one cached XLA executable keyed by (op, input layouts
+and dtypes, static arguments, python scalar types). Output shapes and dtypes
+are taken from PyTorch's own meta kernels on the first call of a key, so type
+promotion and shape errors are exactly PyTorch's, and the lowering's result is
+checked (shape) and cast (dtype) against them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import torch
+from torch.utils import _pytree as pytree
+
+from . import dtypes, metrics, storage
+from .storage import is_tpu, layout, new_tensor, storage_data
+
+aten = torch.ops.aten
+
+LOWERINGS: dict[str, "Lowering"] = {}
+_KERNELS: dict[str, "Kernel"] = {}
+_LIB = torch.library.Library("aten", "IMPL")
+_registered: set[str] = set()
+
+
+class Lowering:
+    __slots__ = ("name", "fn", "static", "random", "allow_cpu", "meta")
+
+    def __init__(self, name, fn, static=(), random=False, allow_cpu=False, meta=None):
+        self.name = name
+        self.fn = fn
+        self.static = frozenset(static)
+        self.random = random
+        self.allow_cpu = allow_cpu
+        self.meta = meta
+
+
+def lower(*names, static=(), random=False, allow_cpu=False, meta=None):
+    """Register ``fn`` as the JAX lowering of the aten ops ``names``.
+
+    ``fn`` receives the op's arguments in schema order: tensors as jax arrays,
+    ``Scalar`` arguments as traced values (not recompiled per value) unless
+    named in ``static``, everything else as python values. ``random=True``
+    passes a ``key=`` jax PRNG key. Return a jax array (or a tuple/list).
+    """
+
+    def deco(fn):
+        for name in names:
+            qual = name if "::" in name else f"aten::{name}"
+            if "." not in qual.split("::")[1]:
+                qual += ".default"
+            if qual in LOWERINGS:
+                raise RuntimeError(f"torchtpu: two lowerings for {qual}")
+            LOWERINGS[qual] = Lowering(qual, fn, static, random, allow_cpu, meta)
+        return fn
+
+    return deco
+
+
+def op_from_name(qual):
+    ns, rest = qual.split("::")
+    name, overload = rest.split(".") if "." in rest else (rest, "default")
+    packet = getattr(getattr(torch.ops, ns), name)
+    return getattr(packet, overload)
+
+
+# ---------------------------------------------------------------- argument kinds
+_T, _OT, _TL, _OTL, _SCALAR, _STATIC = range(6)
+
+
+def _arg_kind(arg):
+    t = arg.type
+    s = str(t)
+    if s == "Tensor":
+        return _T
+    if s == "Optional[Tensor]":
+        return _OT
+    if s == "List[Tensor]":
+        return _TL
+    if s == "List[Optional[Tensor]]":
+        return _OTL
+    if s in ("number", "Optional[number]"):
+        return _SCALAR
+    return _STATIC
+
+
+def _freeze(v):
+    if isinstance(v, list):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+_MIXED_DEVICE = "Expected all tensors to be on the same device, but found at least two devices, {} and {}!"
+
+
+class _Unsupported(Exception):
+    pass
+
+
+class Kernel:
+    """The PrivateUse1 kernel of one aten op overload, backed by a lowering."""
+
+    def __init__(self, op: torch._ops.OpOverload, lowering: Lowering, functional=None):
+        self.op = op
+        self.name = op._schema.name + ("." + op._schema.overload_name if op._schema.overload_name else "")
+        self.lowering = lowering
+        # in-place kernels run the functional op's meta and lowering
+        self.functional = functional or op
+        schema = op._schema
+        self.args = list(schema.arguments)
+        self.npos = sum(1 for a in self.args if not a.kwarg_only)
+        self.names = [a.name for a in self.args]
+        self.index = {a.name: i for i, a in enumerate(self.args)}
+        self.defaults = [a.default_value if a.has_default_value() else _NoDefault for a in self.args]
+        self.kinds = [_arg_kind(a) for a in self.args]
+        for i, a in enumerate(self.args):
+            if self.kinds[i] == _SCALAR and a.name in lowering.static:
+                self.kinds[i] = _STATIC
+        self.kinds = tuple(self.kinds)
+        # arguments written by this op (in-place self, or Tensor(a!)[] lists)
+        self.mutated = [
+            i for i, a in enumerate(self.args) if a.alias_info is not None and a.alias_info.is_write
+        ]
+        self.returns_alias = [
+            r.alias_info is not None and r.alias_info.is_write for r in schema.returns
+        ]
+        self.cache: dict = {}
+        self.lock = threading.Lock()
+
+    # ---------------------------------------------------------------- binding
+    def bind(self, args, kwargs):
+        vals = list(args)
+        n = len(vals)
+        if n < len(self.args):
+            for i in range(n, len(self.args)):
+                name = self.names[i]
+                if name in kwargs:
+                    vals.append(kwargs[name])
+                else:
+                    d = self.defaults[i]
+                    if d is _NoDefault:
+                        raise TypeError(f"{self.name}: missing argument '{name}'")
+                    vals.append(d)
+        return vals
+
+    # ---------------------------------------------------------------- call
+    def __call__(self, *args, **kwargs):
+        vals = self.bind(args, kwargs)
+        key = [self.functional]
+        bufs = []
+        dyn = []
+        append_key = key.append
+        for i, kind in enumerate(self.kinds):
+            v = vals[i]
+            if kind == _T:
+                append_key(self._tensor_key(v, bufs, dyn))
+            elif kind == _SCALAR:
+                if v is None:
+                    append_key(None)
+                else:
+                    append_key(type(v))
+                    dyn.append(v)
+            elif kind == _STATIC:
+                append_key(_freeze(v))
+            elif kind == _OT:
+                append_key(None if v is None else self._tensor_key(v, bufs, dyn))
+            else:  # tensor lists
+                append_key(tuple(None if x is None else self._tensor_key(x, bufs, dyn) for x in v))
+        if self.lowering.random:
+            from .random import next_key_data
+
+            dyn.append(next_key_data())
+        key = tuple(key)
+        entry = self.cache.get(key)
+        if entry is None:
+            entry = self._build(key, vals)
+            metrics.record_miss(self.name)
+        else:
+            metrics.record_hit()
+        fn, out_specs = entry
+        results = fn(tuple(bufs), tuple(dyn))
+        return self._wrap(vals, results, out_specs)
+
+    def _tensor_key(self, t, bufs, dyn):
+        if not isinstance(t, torch.Tensor):
+            # a wrapped python number (``x + 1``) arrives unwrapped
+            dyn.append(t)
+            return ("num", type(t))
+        if t.device.type != "tpu":
+            if t.dim() == 0 and not t.requires_grad:
+                # a 0-dim CPU tensor is a scalar operand, as PyTorch allows for cuda
+                dyn.append(jnp.asarray(dtypes.cpu_tensor_to_numpy(t)))
+                return ("cpu0", t.dtype)
+            if self.lowering.allow_cpu:
+                arr = jnp.asarray(dtypes.cpu_tensor_to_numpy(t.contiguous()))
+                bufs.append(arr.reshape(-1))
+                return ((tuple(t.shape), storage.contiguous_strides(t.shape), 0), t.dtype, arr.size)
+            raise RuntimeError(_MIXED_DEVICE.format("tpu:0", t.device))
+        sd = storage_data(t)
+        bufs.append(sd.buf)
+        return ((tuple(t.shape), t.stride(), t.storage_offset()), t.dtype, sd.buf.shape[0])
+
+    # ---------------------------------------------------------------- building an executable
+    def _meta_args(self, vals):
+        def to_meta(t):
+            if isinstance(t, torch.Tensor):
+                if t.device.type == "cpu" and t.dim() == 0:
+                    return t
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            return t
+
+        margs = []
+        for i, v in enumerate(vals):
+            if self.kinds[i] in (_TL, _OTL):
+                margs.append([to_meta(x) for x in v])
+            else:
+                margs.append(to_meta(v))
+        return margs
+
+    def _build(self, key, vals):
+        with self.lock:
+            entry = self.cache.get(key)
+            if entry is not None:
+                return entry
+            out_meta = self._compute_meta(vals)
+            fn = self._make_traced(key, vals, out_meta)
+            entry = (fn, out_meta)
+            self.cache[key] = entry
+            return entry
+
+    def _compute_meta(self, vals):
+        """Output (shape, dtype) tree from PyTorch's meta kernel of the functional op."""
+        margs = self._meta_args(vals)
+        fop = self.op  # for in-place ops this validates shapes and casts the way PyTorch does
+        pos = margs[: self.npos]
+        kw = {self.names[i]: margs[i] for i in range(self.npos, len(margs))}
+        if self.lowering.meta is not None:
+            out = self.lowering.meta(*pos, **kw)
+        else:
+            try:
+                out = fop(*pos, **kw)
+            except (NotImplementedError, RuntimeError) as e:
+                msg = str(e)
+                if "meta" in msg.lower() and ("not implemented" in msg.lower() or "could not run" in msg.lower()):
+                    return None  # no meta kernel: trust the lowering's shapes
+                raise
+        if self.functional is not self.op:
+            return None
+        return pytree.tree_map(
+            lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t, out
+        )
+
+    def _make_traced(self, key, vals, out_meta):
+        kinds = self.kinds
+        lowering = self.lowering
+        mutated = self.mutated
+        functional_inplace = self.functional is not self.op
+        name = self.name
+
+        def traced(bufs, dyn):
+            bi = iter(bufs)
+            di = iter(dyn)
+            args = []
+            tensor_vals = []  # per buffer, the logical value (for writes)
+
+            def read_tensor(k):
+                if k[0] == "cpu0" or k[0] == "num":
+                    return next(di)
+                v = storage.read(next(bi), k[0])
+                tensor_vals.append(v)
+                return v
+
+            for i, kind in enumerate(kinds):
+                k = key[1 + i]
+                if kind == _T:
+                    args.append(read_tensor(k))
+                elif kind == _OT:
+                    args.append(None if k is None else read_tensor(k))
+                elif kind in (_TL, _OTL):
+                    args.append([None if x is None else read_tensor(x) for x in k])
+                elif kind == _SCALAR:
+                    args.append(None if k is None else next(di))
+                else:
+                    args.append(vals_static[i])
+            kw = {}
+            if lowering.random:
+                kw["key"] = jax.random.wrap_key_data(next(di))
+            out = lowering.fn(*args, **kw)
+            flat_out, _ = pytree.tree_flatten(out)
+            if out_meta is not None and not functional_inplace:
+                flat_meta, _ = pytree.tree_flatten(out_meta, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype))
+                if len(flat_meta) != len(flat_out):
+                    raise RuntimeError(
+                        f"torchtpu lowering of {name} returned {len(flat_out)} outputs, PyTorch's meta gives {len(flat_meta)}"
+                    )
+                fixed = []
+                for o, (shape, dt) in zip(flat_out, flat_meta):
+                    o = jnp.asarray(o)
+                    if tuple(o.shape) != tuple(shape):
+                        if o.size == math.prod(shape) or o.ndim == 0:
+                            o = jnp.broadcast_to(o, shape) if o.ndim == 0 else o.reshape(shape)
+                        else:
+                            raise RuntimeError(
+                                f"torchtpu lowering of {name} returned shape {tuple(o.shape)}, "
+                                f"PyTorch's meta gives {tuple(shape)}"
+                            )
+                    fixed.append(o.astype(dtypes.to_jax(dt)))
+                flat_out = fixed
+            results = [o.reshape(-1) for o in flat_out]
+            new_bufs = []
+            if functional_inplace:
+                # write each functional output into the matching mutated argument
+                pos = 0
+                for i in mutated:
+                    k = key[1 + i]
+                    if kinds[i] in (_TL, _OTL):
+                        targets = [(kk, _buffer_index(key, kinds, i, j)) for j, kk in enumerate(k)]
+                    else:
+                        targets = [(k, _buffer_index(key, kinds, i, None))]
+                    for kk, bidx in targets:
+                        value = jnp.asarray(flat_out[pos])
+                        size = kk[0][0]
+                        if jnp.broadcast_shapes(value.shape, size) != tuple(size):
+                            raise RuntimeError(
+                                f"output with shape {list(size)} doesn't match the broadcast shape "
+                                f"{list(jnp.broadcast_shapes(value.shape, size))}"
+                            )
+                        new_bufs.append(storage.write(bufs[bidx], kk[0], value))
+                        pos += 1
+                return (), tuple(new_bufs)
+            return tuple(results), ()
+
+        vals_static = [v if kinds[i] == _STATIC else None for i, v in enumerate(vals)]
+        donate = ()
+        return jax.jit(traced, donate_argnums=donate)
+
+    # ---------------------------------------------------------------- results
+    def _wrap(self, vals, results, out_meta):
+        outs, new_bufs = results
+        if self.functional is not self.op:
+            it = iter(new_bufs)
+            for i in self.mutated:
+                v = vals[i]
+                for t in (v if self.kinds[i] in (_TL, _OTL) else (v,)):
+                    storage_data(t).buf = next(it)
+            rets = [vals[i] for i in self.mutated]
+            if len(self.op._schema.returns) == 0:
+                return None
+            return rets[0] if len(rets) == 1 else tuple(rets)
+        if out_meta is None:
+            raise RuntimeError(f"torchtpu: {self.name} has no meta kernel and no shape function")
+        it = iter(outs)
+
+        def mk(m):
+            shape, dt = m
+            return new_tensor(shape, dt, next(it))
+
+        return pytree.tree_map(
+            mk, out_meta, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype)
+        )
+
+
+def _buffer_index(key, kinds, arg_i, list_pos):
+    """Index into the flat buffer list of argument ``arg_i`` (element ``list_pos`` of a list)."""
+    idx = 0
+    for i, kind in enumerate(kinds):
+        k = key[1 + i]
+        if i == arg_i:
+            if list_pos is None:
+                return idx
+            return idx + sum(1 for x in k[:list_pos] if x is not None and x[0] not in _NOBUF)
+        if kind == _T:
+            idx += 0 if k[0] in _NOBUF else 1
+        elif kind == _OT:
+            idx += 0 if k is None or k[0] in _NOBUF else 1
+        elif kind in (_TL, _OTL):
+            idx += sum(1 for x in k if x is not None and x[0] not in _NOBUF)
+    raise AssertionError
+
+
+_NOBUF = ("cpu0", "num")
+
+
+class _NoDefaultType:
+    def __repr__(self):
+        return "<no default>"
+
+
+_NoDefault = _NoDefaultType()
+
+
+# ---------------------------------------------------------------- registration
+def _functional_of(op: torch._ops.OpOverload):
+    """``aten.add_.Tensor`` -> ``aten.add.Tensor`` (None if not an in-place op)."""
+    name = op._schema.name.split("::")[1]
+    if not name.endswith("_") or name.startswith("_") and name.endswith("__"):
+        return None
+    base = name[:-1]
+    overload = op._overloadname
+    packet = getattr(aten, base, None)
+    if packet is None:
+        return None
+    return getattr(packet, overload, None)
+
+
+def _register_kernel(op, lowering, functional=None):
+    qual = str(op._schema.name) + "." + (op._overloadname)
+    if qual in _registered:
+        return
+    k = Kernel(op, lowering, functional)
+    _KERNELS[qual] = k
+    _LIB.impl(op, _checked(k), "PrivateUse1")
+    _registered.add(qual)
+
+
+def _checked(kernel):
+    @functools.wraps(kernel.__call__)
+    def run(*args, **kwargs):
+        return kernel(*args, **kwargs)
+
+    run.kernel = kernel
+    return run
+
+
+def register_impl(name, fn):
+    """Register a hand-written python kernel (views, copies, host reads) for an op."""
+    qual = name if "::" in name else f"aten::{name}"
+    if "." not in qual.split("::")[1]:
+        qual += ".default"
+    if qual in _registered:
+        raise RuntimeError(f"torchtpu: two kernels for {qual}")
+    _LIB.impl(op_from_name(qual), fn, "PrivateUse1")
+    _registered.add(qual)
+    return fn
+
+
+def impl(*names):
+    def deco(fn):
+        for n in names:
+            register_impl(n, fn)
+        return fn
+
+    return deco
+
+
+def register_all():
+    """Register kernels for every lowering and its derived in-place and out= forms."""
+    for qual, lowering in list(LOWERINGS.items()):
+        op = op_from_name(qual)
+        _register_kernel(op, lowering)
+    # derive in-place forms
+    for name in dir(aten):
+        if not name.endswith("_") or name.startswith("__"):
+            continue
+        packet = getattr(aten, name)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            qual = f"aten::{name}.{overload}"
+            if qual in _registered or qual in LOWERINGS:
+                continue
+            fop = _functional_of(op)
+            if fop is None:
+                continue
+            fqual = f"{fop._schema.name}.{fop._overloadname}"
+            low = LOWERINGS.get(fqual)
+            if low is None:
+                continue
+            _register_kernel(op, low, functional=fop)
+    _register_out_variants()
+
+
+def _functional_of_out(op):
+    """``aten.add.out`` -> ``aten.add.Tensor``-style functional overload with the same inputs."""
+    name = op._schema.name.split("::")[1]
+    packet = getattr(aten, name)
+    out_names = {a.name for a in op._schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write}
+    want = [a.name for a in op._schema.arguments if a.name not in out_names]
+    for ov in packet.overloads():
+        cand = getattr(packet, ov)
+        if cand is op or any(a.alias_info is not None and a.alias_info.is_write for a in cand._schema.arguments):
+            continue
+        if [a.name for a in cand._schema.arguments] == want:
+            return cand, [a.name for a in op._schema.arguments if a.name in out_names]
+    return None, None
+
+
+def _make_out_kernel(op, fop, out_names):
+    schema_args = list(op._schema.arguments)
+    fnames = [a.name for a in fop._schema.arguments]
+    defaults = {a.name: a.default_value for a in schema_args if a.has_default_value()}
+
+    def out_kernel(*args, **kwargs):
+        bound = dict(zip([a.name for a in schema_args], args))
+        bound.update(kwargs)
+        fargs = [bound[n] if n in bound else defaults[n] for n in fnames]
+        res = fop(*fargs)
+        res_flat = res if isinstance(res, (tuple, list)) else (res,)
+        outs = [bound[n] for n in out_names]
+        for o, r in zip(outs, res_flat):
+            if o.device.type != "tpu":
+                raise RuntimeError(_MIXED_DEVICE.format("tpu:0", o.device))
+            if tuple(o.shape) != tuple(r.shape):
+                storage.replace_storage(o, r.shape, None)
+            if o.dtype != r.dtype and not torch.can_cast(r.dtype, o.dtype):
+                raise RuntimeError(f"result type {r.dtype} can't be cast to the desired output type {o.dtype}")
+            o.copy_(r)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return out_kernel
+
+
+def _register_out_variants():
+    for name in dir(aten):
+        if name.startswith("__"):
+            continue
+        packet = getattr(aten, name)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for ov in packet.overloads():
+            if not ov.endswith("out"):
+                continue
+            qual = f"aten::{name}.{ov}"
+            if qual in _registered:
+                continue
+            op = getattr(packet, ov)
+            fop, out_names = _functional_of_out(op)
+            if fop is None or f"{fop._schema.name}.{fop._overloadname}" not in _registered:
+                continue
+            _LIB.impl(op, _make_out_kernel(op, fop, out_names), "PrivateUse1")
+            _registered.add(qual)
+
+
+def logical_value(t: torch.Tensor):
+    """The jax array holding the value of tpu tensor ``t`` (a copy only if ``t`` is a strided view)."""
+    sd = storage_data(t)
+    lay = layout(t)
+    buf = sd.buf
+    size, stride, offset = lay
+    if offset == 0 and buf.shape[0] == math.prod(size) and storage._is_contiguous(size, stride):
+        return buf.reshape(size)
+    return _read_jit(lay)(buf)
+
+
+@functools.lru_cache(maxsize=4096)
+def _read_jit(lay):
+    return jax.jit(lambda b: storage.read(b, lay))
+
+
+def from_jax_array(arr, dtype=None) -> torch.Tensor:
+    arr = jnp.asarray(arr)
+    dt = dtypes.to_torch(arr.dtype) if dtype is None else dtype
+    return new_tensor(arr.shape, dt, arr.reshape(-1))
+
+
+def user_frame():
+    """The first stack frame outside torch and torchtpu (for error messages)."""
+    f = sys._getframe(1)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if "/torch/" not in fn and "/torchtpu/" not in fn and "/jax/" not in fn:
+            return f
+        f = f.f_back
+    return None

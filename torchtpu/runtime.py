@@ -1,0 +1,80 @@
+"""Execution modes and synchronization.
+
+``strict_eager``: every op runs when called, through an executable cached per
+(op, input layouts and dtypes, static arguments). ``defer_and_fuse`` is added
+by the DeferAndFuse runtime. Modes are chosen globally
+(``set_execution_mode``, ``TORCHTPU_EXECUTION_MODE``) or locally
+(``with execution_mode(...)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import jax
+
+from . import storage
+
+MODES = ("strict_eager",)
+_state = threading.local()
+_global_mode = None
+
+
+def _default_mode():
+    mode = os.environ.get("TORCHTPU_EXECUTION_MODE", "strict_eager")
+    _check(mode)
+    return mode
+
+
+def _check(mode):
+    if mode not in MODES:
+        raise ValueError(f"torchtpu: unknown execution mode {mode!r}; choose one of {', '.join(MODES)}")
+
+
+def get_execution_mode() -> str:
+    m = getattr(_state, "mode", None)
+    if m is not None:
+        return m
+    global _global_mode
+    if _global_mode is None:
+        _global_mode = _default_mode()
+    return _global_mode
+
+
+def set_execution_mode(mode: str) -> None:
+    """Select the execution mode for the whole process (pending work is flushed first)."""
+    global _global_mode
+    _check(mode)
+    synchronize()
+    _global_mode = mode
+
+
+@contextlib.contextmanager
+def execution_mode(mode: str):
+    """Run a block in ``mode``; the previous mode is restored after it."""
+    _check(mode)
+    synchronize()
+    prev = getattr(_state, "mode", None)
+    _state.mode = mode
+    try:
+        yield
+    finally:
+        synchronize()
+        _state.mode = prev
+
+
+def synchronize() -> None:
+    """Wait for every device buffer of live tensors to be computed."""
+    bufs = [d.buf for d in list(storage.LIVE)]
+    if bufs:
+        jax.block_until_ready(bufs)
+
+
+def enable_persistent_cache(directory: str) -> None:
+    """Keep compiled XLA executables in ``directory`` across processes (JAX's cache)."""
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -1,0 +1,263 @@
+"""Where the bytes of a tpu tensor live.
+
+A tpu tensor is a plain ``torch.Tensor`` on PrivateUse1 whose torch-side
+metadata (sizes, strides, storage offset, a storage of the right byte size) is
+real, so every view op torch implements with metadata alone works unchanged.
+The storage's data pointer is null; its bytes are a flat 1-D ``jax.Array``
+hung off the (PyObject-preserved) ``UntypedStorage`` as ``_tpu``.
+
+Reading a tensor means applying its layout (size, stride, offset) to that flat
+buffer; writing means scattering back. Both are done *inside* the jitted op so
+a contiguous tensor costs nothing and a transpose costs a transpose.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from . import dtypes
+
+_DEV = None  # torch.device("tpu", 0), set once the backend is renamed
+_CPU_KEYSET = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_create_empty = torch._C._acc.create_empty_tensor
+_make_storage = torch._C._construct_storage_from_data_pointer
+_set_storage = torch.ops.aten.set_.source_Storage_storage_offset._handle.redispatch_boxed
+
+
+# ---------------------------------------------------------------- memory stats
+class _MemoryStats:
+    """Bytes of live device buffers, counted per storage."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.allocated = 0
+        self.peak = 0
+        self.num_storages = 0
+
+    def add(self, n):
+        with self.lock:
+            self.allocated += n
+            self.num_storages += 1
+            if self.allocated > self.peak:
+                self.peak = self.allocated
+
+    def sub(self, n):
+        with self.lock:
+            self.allocated -= n
+            self.num_storages -= 1
+
+
+MEMORY = _MemoryStats()
+LIVE: "weakref.WeakSet[StorageData]" = weakref.WeakSet()  # for synchronize()
+
+
+class StorageData:
+    """The device bytes of one storage: a flat jax array of ``numel`` elements."""
+
+    __slots__ = ("buf", "nbytes", "__weakref__")
+
+    def __init__(self, buf, nbytes):
+        self.buf = buf
+        self.nbytes = nbytes
+        MEMORY.add(nbytes)
+        LIVE.add(self)
+
+    def __del__(self):
+        try:
+            MEMORY.sub(self.nbytes)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+def storage_data(t: torch.Tensor) -> StorageData:
+    try:
+        return t.untyped_storage()._tpu
+    except AttributeError:
+        raise RuntimeError(
+            "torchtpu: this tpu tensor has no device data attached (it was made by a path "
+            "torchtpu does not know). Please report the op that produced it."
+        ) from None
+
+
+def is_tpu(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "tpu"
+
+
+# ---------------------------------------------------------------- making tensors
+_zeros_cache: dict = {}
+
+
+def _zeros_flat(numel, jdtype):
+    """Immutable zero buffers are shared: jax arrays never change in place."""
+    key = (numel, jdtype)
+    z = _zeros_cache.get(key)
+    if z is None:
+        z = jnp.zeros((numel,), jdtype)
+        if numel <= (1 << 16):
+            _zeros_cache[key] = z
+    return z
+
+
+def new_tensor(size, dtype: torch.dtype, buf=None, stride=None) -> torch.Tensor:
+    """A fresh tpu tensor of ``size`` (contiguous unless ``stride``) over flat ``buf``."""
+    size = tuple(size)
+    if stride is None:
+        stride = contiguous_strides(size)
+        numel = math.prod(size)
+    else:
+        numel = storage_numel(size, stride, 0)
+    itemsize = dtype.itemsize
+    t = _create_empty([0], dtype)
+    s = _make_storage(0, _DEV or _dev(), numel * itemsize)
+    _set_storage(_CPU_KEYSET, t, s, 0, size, stride)
+    if buf is None:
+        buf = _zeros_flat(numel, dtypes.to_jax(dtype))
+    s._tpu = StorageData(buf, numel * itemsize)
+    return t
+
+
+def replace_storage(t: torch.Tensor, size, buf) -> None:
+    """Give ``t`` a fresh contiguous storage of ``size`` (``resize_``/``set_`` semantics)."""
+    size = tuple(size)
+    numel = math.prod(size)
+    nbytes = numel * t.dtype.itemsize
+    s = _make_storage(0, _DEV or _dev(), nbytes)
+    _set_storage(_CPU_KEYSET, t, s, 0, size, contiguous_strides(size))
+    if buf is None:
+        buf = _zeros_flat(numel, dtypes.to_jax(t.dtype))
+    s._tpu = StorageData(buf, nbytes)
+
+
+def _dev():
+    global _DEV
+    _DEV = torch.device("tpu", 0)
+    return _DEV
+
+
+def contiguous_strides(size):
+    strides = []
+    acc = 1
+    for n in reversed(size):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def storage_numel(size, stride, offset):
+    if any(n == 0 for n in size):
+        return offset
+    return offset + 1 + sum((n - 1) * s for n, s in zip(size, stride))
+
+
+def layout(t: torch.Tensor):
+    """Hashable description of how ``t`` reads its flat buffer."""
+    return (tuple(t.shape), t.stride(), t.storage_offset())
+
+
+# ---------------------------------------------------------------- strided read / write (traced)
+def _is_contiguous(size, stride):
+    expected = 1
+    for n, s in zip(reversed(size), reversed(stride)):
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _block_plan(size, stride):
+    """If the non-broadcast dims of a layout are a permutation of a dense block,
+    return (block_shape, perm_from_block_to_layout_dims, kept_dims); else None."""
+    dims = [i for i, n in enumerate(size) if n != 1 and stride[i] != 0]
+    order = sorted(dims, key=lambda i: -stride[i])
+    expected = 1
+    for i in reversed(order):
+        if stride[i] != expected:
+            return None
+        expected *= size[i]
+    block_shape = tuple(size[i] for i in order)
+    return block_shape, order, dims
+
+
+def _index_array(size, stride, offset):
+    idx = np.full(tuple(size), offset, dtype=np.int64)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = n
+        idx = idx + (np.arange(n, dtype=np.int64) * s).reshape(shape)
+    return idx
+
+
+def read(buf, lay):
+    """The logical value of a tensor with layout ``lay`` over flat ``buf`` (traced)."""
+    size, stride, offset = lay
+    numel = math.prod(size)
+    if numel == 0:
+        return jnp.zeros(size, buf.dtype)
+    if _is_contiguous(size, stride):
+        if offset == 0 and buf.shape[0] == numel:
+            return buf.reshape(size)
+        return lax.slice(buf, (offset,), (offset + numel,)).reshape(size)
+    plan = _block_plan(size, stride)
+    if plan is not None:
+        block_shape, order, dims = plan
+        bn = math.prod(block_shape)
+        block = lax.slice(buf, (offset,), (offset + bn,)).reshape(block_shape)
+        # block axes are ``order``; move them to ascending layout-dim order
+        perm = sorted(range(len(order)), key=lambda k: order[k])
+        block = jnp.transpose(block, perm)
+        shape_kept = [1] * len(size)
+        for i in dims:
+            shape_kept[i] = size[i]
+        return jnp.broadcast_to(block.reshape(shape_kept), size)
+    return buf[_index_array(size, stride, offset)]
+
+
+def has_internal_overlap(size, stride):
+    return any(n > 1 and s == 0 for n, s in zip(size, stride))
+
+
+def write(buf, lay, value):
+    """``buf`` with the elements addressed by ``lay`` replaced by ``value`` (traced)."""
+    size, stride, offset = lay
+    numel = math.prod(size)
+    value = jnp.broadcast_to(value.astype(buf.dtype), size)
+    if numel == 0:
+        return buf
+    if _is_contiguous(size, stride):
+        flat = value.reshape((numel,))
+        if offset == 0 and buf.shape[0] == numel:
+            return flat
+        return lax.dynamic_update_slice(buf, flat, (offset,))
+    plan = _block_plan(size, stride)
+    if plan is not None and not has_internal_overlap(size, stride):
+        block_shape, order, dims = plan
+        v = value.reshape([size[i] for i in dims])
+        pos = {d: k for k, d in enumerate(dims)}
+        v = jnp.transpose(v, [pos[d] for d in order]).reshape((-1,))
+        return lax.dynamic_update_slice(buf, v, (offset,))
+    idx = _index_array(size, stride, offset).reshape(-1)
+    return buf.at[idx].set(value.reshape((-1,)))
+
+
+# ---------------------------------------------------------------- host transfers
+def to_numpy_host(t: torch.Tensor) -> np.ndarray:
+    """Host copy of a tpu tensor's logical value (blocks)."""
+    from .registry import logical_value
+
+    return np.asarray(jax.device_get(logical_value(t)))
+
+
+def host_to_cpu_tensor(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    return dtypes.numpy_to_torch(arr, dtype)
+
+
+def weak_storage_ref(t):
+    return weakref.ref(storage_data(t))

@@ -1,0 +1,1 @@
+"""torchtpu_rec (see issues: not built yet)."""

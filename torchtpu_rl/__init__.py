@@ -1,0 +1,1 @@
+"""torchtpu_rl (see issues: not built yet)."""
