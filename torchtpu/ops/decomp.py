@@ -1,0 +1,1 @@
+"""decomp lowerings."""
