@@ -25,7 +25,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import dtypes, metrics, storage
-from .storage import is_tpu, layout, new_tensor, storage_data
+from .random import next_key_data as _next_key_data
+from .storage import layout, new_tensor, storage_data
 
 aten = torch.ops.aten
 
@@ -105,98 +106,107 @@ def _freeze(v):
 _MIXED_DEVICE = "Expected all tensors to be on the same device, but found at least two devices, {} and {}!"
 
 
-class _Unsupported(Exception):
-    pass
+def _is_meta_leaf(x):
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype)
+
+
+class _Entry:
+    """One compiled form of a kernel: the jitted function and how to wrap its outputs."""
+
+    __slots__ = ("fn", "out_meta", "single", "treedef")
+
+    def __init__(self, fn, out_meta):
+        self.fn = fn
+        self.out_meta = out_meta
+        self.single = _is_meta_leaf(out_meta)
+        self.treedef = None if out_meta is None or self.single else pytree.tree_flatten(out_meta, is_leaf=_is_meta_leaf)
 
 
 class Kernel:
-    """The PrivateUse1 kernel of one aten op overload, backed by a lowering."""
+    """The PrivateUse1 kernel of one aten op overload, backed by a lowering.
+
+    ``functional`` is set for derived in-place kernels (``add_`` runs ``add``'s
+    lowering and writes the result into ``self``).
+    """
 
     def __init__(self, op: torch._ops.OpOverload, lowering: Lowering, functional=None):
         self.op = op
-        self.name = op._schema.name + ("." + op._schema.overload_name if op._schema.overload_name else "")
-        self.lowering = lowering
-        # in-place kernels run the functional op's meta and lowering
-        self.functional = functional or op
         schema = op._schema
+        self.name = schema.name + ("." + schema.overload_name if schema.overload_name else "")
+        self.lowering = lowering
+        self.functional = functional or op
+        self.inplace = functional is not None
         self.args = list(schema.arguments)
+        self.nargs = len(self.args)
         self.npos = sum(1 for a in self.args if not a.kwarg_only)
         self.names = [a.name for a in self.args]
-        self.index = {a.name: i for i, a in enumerate(self.args)}
         self.defaults = [a.default_value if a.has_default_value() else _NoDefault for a in self.args]
-        self.kinds = [_arg_kind(a) for a in self.args]
+        kinds = [_arg_kind(a) for a in self.args]
         for i, a in enumerate(self.args):
-            if self.kinds[i] == _SCALAR and a.name in lowering.static:
-                self.kinds[i] = _STATIC
-        self.kinds = tuple(self.kinds)
+            if kinds[i] == _SCALAR and a.name in lowering.static:
+                kinds[i] = _STATIC
+        self.kinds = tuple(kinds)
+        self.kind_items = tuple(enumerate(self.kinds))
         # arguments written by this op (in-place self, or Tensor(a!)[] lists)
-        self.mutated = [
-            i for i, a in enumerate(self.args) if a.alias_info is not None and a.alias_info.is_write
-        ]
-        self.returns_alias = [
-            r.alias_info is not None and r.alias_info.is_write for r in schema.returns
-        ]
+        self.mutated = [i for i, a in enumerate(self.args) if a.alias_info is not None and a.alias_info.is_write]
+        self.n_returns = len(schema.returns)
         self.cache: dict = {}
         self.lock = threading.Lock()
 
     # ---------------------------------------------------------------- binding
     def bind(self, args, kwargs):
         vals = list(args)
-        n = len(vals)
-        if n < len(self.args):
-            for i in range(n, len(self.args)):
-                name = self.names[i]
-                if name in kwargs:
-                    vals.append(kwargs[name])
-                else:
-                    d = self.defaults[i]
-                    if d is _NoDefault:
-                        raise TypeError(f"{self.name}: missing argument '{name}'")
-                    vals.append(d)
+        for i in range(len(vals), self.nargs):
+            name = self.names[i]
+            if name in kwargs:
+                vals.append(kwargs[name])
+            else:
+                d = self.defaults[i]
+                if d is _NoDefault:
+                    raise TypeError(f"{self.name}: missing argument '{name}'")
+                vals.append(d)
         return vals
 
     # ---------------------------------------------------------------- call
     def __call__(self, *args, **kwargs):
-        vals = self.bind(args, kwargs)
+        vals = args if (len(args) == self.nargs and not kwargs) else self.bind(args, kwargs)
         key = [self.functional]
         bufs = []
         dyn = []
         append_key = key.append
-        for i, kind in enumerate(self.kinds):
+        tkey = self._tensor_key
+        for i, kind in self.kind_items:
             v = vals[i]
             if kind == _T:
-                append_key(self._tensor_key(v, bufs, dyn))
+                append_key(tkey(v, bufs, dyn))
+            elif kind == _STATIC:
+                append_key(_freeze(v))
             elif kind == _SCALAR:
                 if v is None:
                     append_key(None)
                 else:
                     append_key(type(v))
-                    dyn.append(v)
-            elif kind == _STATIC:
-                append_key(_freeze(v))
+                    dyn.append(_scalar_array(v))
             elif kind == _OT:
-                append_key(None if v is None else self._tensor_key(v, bufs, dyn))
+                append_key(None if v is None else tkey(v, bufs, dyn))
             else:  # tensor lists
-                append_key(tuple(None if x is None else self._tensor_key(x, bufs, dyn) for x in v))
+                append_key(tuple([None if x is None else tkey(x, bufs, dyn) for x in v]))
         if self.lowering.random:
-            from .random import next_key_data
-
-            dyn.append(next_key_data())
+            dyn.append(_next_key_data())
         key = tuple(key)
         entry = self.cache.get(key)
         if entry is None:
-            entry = self._build(key, vals)
+            entry = self._build(key, vals, len(bufs))
             metrics.record_miss(self.name)
         else:
             metrics.record_hit()
-        fn, out_specs = entry
-        results = fn(tuple(bufs), tuple(dyn))
-        return self._wrap(vals, results, out_specs)
+        outs = entry.fn(*bufs, *dyn)
+        return self._wrap(vals, outs, entry)
 
     def _tensor_key(self, t, bufs, dyn):
         if not isinstance(t, torch.Tensor):
             # a wrapped python number (``x + 1``) arrives unwrapped
-            dyn.append(t)
+            dyn.append(_scalar_array(t))
             return ("num", type(t))
         if t.device.type != "tpu":
             if t.dim() == 0 and not t.requires_grad:
@@ -206,11 +216,12 @@ class Kernel:
             if self.lowering.allow_cpu:
                 arr = jnp.asarray(dtypes.cpu_tensor_to_numpy(t.contiguous()))
                 bufs.append(arr.reshape(-1))
-                return ((tuple(t.shape), storage.contiguous_strides(t.shape), 0), t.dtype, arr.size)
+                return ((tuple(t.shape), storage.contiguous_strides(tuple(t.shape)), 0), t.dtype, arr.size)
             raise RuntimeError(_MIXED_DEVICE.format("tpu:0", t.device))
         sd = storage_data(t)
-        bufs.append(sd.buf)
-        return ((tuple(t.shape), t.stride(), t.storage_offset()), t.dtype, sd.buf.shape[0])
+        buf = sd.buf
+        bufs.append(buf)
+        return ((t.shape, t.stride(), t.storage_offset()), t.dtype, buf.shape[0])
 
     # ---------------------------------------------------------------- building an executable
     def _meta_args(self, vals):
@@ -229,59 +240,67 @@ class Kernel:
                 margs.append(to_meta(v))
         return margs
 
-    def _build(self, key, vals):
+    def _build(self, key, vals, nbufs):
         with self.lock:
             entry = self.cache.get(key)
             if entry is not None:
                 return entry
             out_meta = self._compute_meta(vals)
-            fn = self._make_traced(key, vals, out_meta)
-            entry = (fn, out_meta)
+            inner = self._make_inner(key, vals, out_meta)
+            if out_meta is None and not self.inplace:
+                # no meta kernel: take shapes from abstract evaluation of the lowering
+                avals = _avals_of(vals, key, self.kinds)
+                shaped = jax.eval_shape(inner, *avals)
+                out_meta = pytree.tree_map(lambda a: (tuple(a.shape), dtypes.to_torch(a.dtype)), shaped)
+
+            def flat(*xs):
+                return tuple(o.reshape(-1) for o in pytree.tree_leaves(inner(*xs)))
+
+            entry = _Entry(jax.jit(flat), out_meta)
             self.cache[key] = entry
             return entry
 
     def _compute_meta(self, vals):
-        """Output (shape, dtype) tree from PyTorch's meta kernel of the functional op."""
+        """Output (shape, dtype) tree from PyTorch's meta kernel (None if there is none)."""
         margs = self._meta_args(vals)
-        fop = self.op  # for in-place ops this validates shapes and casts the way PyTorch does
         pos = margs[: self.npos]
         kw = {self.names[i]: margs[i] for i in range(self.npos, len(margs))}
         if self.lowering.meta is not None:
             out = self.lowering.meta(*pos, **kw)
         else:
             try:
-                out = fop(*pos, **kw)
+                # for in-place ops this validates shapes and casts the way PyTorch does
+                out = self.op(*pos, **kw)
             except (NotImplementedError, RuntimeError) as e:
-                msg = str(e)
-                if "meta" in msg.lower() and ("not implemented" in msg.lower() or "could not run" in msg.lower()):
-                    return None  # no meta kernel: trust the lowering's shapes
+                msg = str(e).lower()
+                if "meta" in msg and ("not implemented" in msg or "could not run" in msg):
+                    return None
                 raise
-        if self.functional is not self.op:
+        if self.inplace:
             return None
-        return pytree.tree_map(
-            lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t, out
-        )
+        return pytree.tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t, out)
 
-    def _make_traced(self, key, vals, out_meta):
+    def _make_inner(self, key, vals, out_meta):
+        """The traced function: flat buffers and dynamic scalars -> outputs (or new buffers)."""
         kinds = self.kinds
         lowering = self.lowering
         mutated = self.mutated
-        functional_inplace = self.functional is not self.op
+        inplace = self.inplace
         name = self.name
+        statics = [v if kinds[i] == _STATIC else None for i, v in enumerate(vals)]
+        nbufs = sum(_nbufs(key[1 + i], kind) for i, kind in enumerate(kinds))
 
-        def traced(bufs, dyn):
+        def inner(*flat):
+            bufs = flat[:nbufs]
             bi = iter(bufs)
-            di = iter(dyn)
-            args = []
-            tensor_vals = []  # per buffer, the logical value (for writes)
+            di = iter(flat[nbufs:])
 
             def read_tensor(k):
-                if k[0] == "cpu0" or k[0] == "num":
-                    return next(di)
-                v = storage.read(next(bi), k[0])
-                tensor_vals.append(v)
-                return v
+                if k[0] in _NOBUF:
+                    return jnp.asarray(next(di))
+                return storage.read(next(bi), k[0])
 
+            args = []
             for i, kind in enumerate(kinds):
                 k = key[1 + i]
                 if kind == _T:
@@ -293,83 +312,141 @@ class Kernel:
                 elif kind == _SCALAR:
                     args.append(None if k is None else next(di))
                 else:
-                    args.append(vals_static[i])
+                    args.append(statics[i])
             kw = {}
             if lowering.random:
                 kw["key"] = jax.random.wrap_key_data(next(di))
             out = lowering.fn(*args, **kw)
-            flat_out, _ = pytree.tree_flatten(out)
-            if out_meta is not None and not functional_inplace:
-                flat_meta, _ = pytree.tree_flatten(out_meta, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype))
-                if len(flat_meta) != len(flat_out):
-                    raise RuntimeError(
-                        f"torchtpu lowering of {name} returned {len(flat_out)} outputs, PyTorch's meta gives {len(flat_meta)}"
-                    )
-                fixed = []
-                for o, (shape, dt) in zip(flat_out, flat_meta):
-                    o = jnp.asarray(o)
-                    if tuple(o.shape) != tuple(shape):
-                        if o.size == math.prod(shape) or o.ndim == 0:
-                            o = jnp.broadcast_to(o, shape) if o.ndim == 0 else o.reshape(shape)
-                        else:
-                            raise RuntimeError(
-                                f"torchtpu lowering of {name} returned shape {tuple(o.shape)}, "
-                                f"PyTorch's meta gives {tuple(shape)}"
-                            )
-                    fixed.append(o.astype(dtypes.to_jax(dt)))
-                flat_out = fixed
-            results = [o.reshape(-1) for o in flat_out]
-            new_bufs = []
-            if functional_inplace:
-                # write each functional output into the matching mutated argument
-                pos = 0
-                for i in mutated:
-                    k = key[1 + i]
-                    if kinds[i] in (_TL, _OTL):
-                        targets = [(kk, _buffer_index(key, kinds, i, j)) for j, kk in enumerate(k)]
+            flat_out = pytree.tree_leaves(out)
+            if inplace:
+                return _write_mutated(name, key, kinds, mutated, bufs, flat_out)
+            if out_meta is None:
+                return out
+            metas = pytree.tree_leaves(out_meta, is_leaf=_is_meta_leaf)
+            if len(metas) != len(flat_out):
+                raise RuntimeError(
+                    f"torchtpu lowering of {name} returned {len(flat_out)} outputs, PyTorch's meta gives {len(metas)}"
+                )
+            fixed = []
+            for o, (shape, dt) in zip(flat_out, metas):
+                o = jnp.asarray(o)
+                if tuple(o.shape) != tuple(shape):
+                    if o.ndim == 0:
+                        o = jnp.broadcast_to(o, shape)
+                    elif o.size == math.prod(shape):
+                        o = o.reshape(shape)
                     else:
-                        targets = [(k, _buffer_index(key, kinds, i, None))]
-                    for kk, bidx in targets:
-                        value = jnp.asarray(flat_out[pos])
-                        size = kk[0][0]
-                        if jnp.broadcast_shapes(value.shape, size) != tuple(size):
-                            raise RuntimeError(
-                                f"output with shape {list(size)} doesn't match the broadcast shape "
-                                f"{list(jnp.broadcast_shapes(value.shape, size))}"
-                            )
-                        new_bufs.append(storage.write(bufs[bidx], kk[0], value))
-                        pos += 1
-                return (), tuple(new_bufs)
-            return tuple(results), ()
+                        raise RuntimeError(
+                            f"torchtpu lowering of {name} returned shape {tuple(o.shape)}, "
+                            f"PyTorch's meta gives {tuple(shape)}"
+                        )
+                fixed.append(o.astype(dtypes.to_jax(dt)))
+            return fixed
 
-        vals_static = [v if kinds[i] == _STATIC else None for i, v in enumerate(vals)]
-        donate = ()
-        return jax.jit(traced, donate_argnums=donate)
+        return inner
 
     # ---------------------------------------------------------------- results
-    def _wrap(self, vals, results, out_meta):
-        outs, new_bufs = results
-        if self.functional is not self.op:
-            it = iter(new_bufs)
+    def _wrap(self, vals, outs, entry):
+        if self.inplace:
+            it = iter(outs)
             for i in self.mutated:
                 v = vals[i]
-                for t in (v if self.kinds[i] in (_TL, _OTL) else (v,)):
-                    storage_data(t).buf = next(it)
-            rets = [vals[i] for i in self.mutated]
-            if len(self.op._schema.returns) == 0:
+                if self.kinds[i] in (_TL, _OTL):
+                    for t in v:
+                        storage_data(t).buf = next(it)
+                else:
+                    storage_data(v).buf = next(it)
+            if self.n_returns == 0:
                 return None
+            rets = [vals[i] for i in self.mutated]
             return rets[0] if len(rets) == 1 else tuple(rets)
-        if out_meta is None:
-            raise RuntimeError(f"torchtpu: {self.name} has no meta kernel and no shape function")
-        it = iter(outs)
+        if entry.single:
+            shape, dt = entry.out_meta
+            return new_tensor(shape, dt, outs[0])
+        leaves, treedef = entry.treedef
+        tensors = [new_tensor(shape, dt, o) for (shape, dt), o in zip(leaves, outs)]
+        return pytree.tree_unflatten(tensors, treedef)
 
-        def mk(m):
-            shape, dt = m
-            return new_tensor(shape, dt, next(it))
 
-        return pytree.tree_map(
-            mk, out_meta, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype)
-        )
+_scalar_cache: dict = {}
+
+
+def _scalar_array(v):
+    """A weakly typed device scalar for python number ``v``, cached: handing jit a
+    python scalar costs a host conversion on every call."""
+    tv = type(v)
+    # floats by bit pattern: -0.0 == 0.0 and nan != nan must not share or miss entries
+    key = (tv, v.hex() if tv is float else (repr(v) if tv is complex else v))
+    a = _scalar_cache.get(key)
+    if a is None:
+        a = jnp.asarray(v)
+        if len(_scalar_cache) < 8192:
+            _scalar_cache[key] = a
+    return a
+
+
+def _nbufs(k, kind):
+    if kind == _T:
+        return 0 if k[0] in _NOBUF else 1
+    if kind == _OT:
+        return 0 if k is None or k[0] in _NOBUF else 1
+    if kind in (_TL, _OTL):
+        return sum(1 for x in k if x is not None and x[0] not in _NOBUF)
+    return 0
+
+
+def _avals_of(vals, key, kinds):
+    """ShapeDtypeStructs for the flat arguments of a kernel's traced function."""
+    bufs, dyn = [], []
+
+    def add(k):
+        if k[0] in _NOBUF:
+            return
+        bufs.append(jax.ShapeDtypeStruct((k[2],), dtypes.to_jax(k[1])))
+
+    for i, kind in enumerate(kinds):
+        k = key[1 + i]
+        if kind == _T:
+            add(k)
+        elif kind == _OT and k is not None:
+            add(k)
+        elif kind in (_TL, _OTL):
+            for x in k:
+                if x is not None:
+                    add(x)
+    for i, kind in enumerate(kinds):
+        v = vals[i]
+        k = key[1 + i]
+        if kind in (_T, _OT) and k is not None and k[0] in _NOBUF:
+            dyn.append(v.item() if isinstance(v, torch.Tensor) else v)
+        elif kind in (_TL, _OTL):
+            dyn.extend(x.item() if isinstance(x, torch.Tensor) else x for x, kk in zip(v, k) if kk is not None and kk[0] in _NOBUF)
+        elif kind == _SCALAR and v is not None:
+            dyn.append(v)
+    return bufs + dyn
+
+
+def _write_mutated(name, key, kinds, mutated, bufs, flat_out):
+    """New flat buffers for the mutated arguments of an in-place op (traced)."""
+    new_bufs = []
+    pos = 0
+    for i in mutated:
+        k = key[1 + i]
+        if kinds[i] in (_TL, _OTL):
+            targets = [(kk, _buffer_index(key, kinds, i, j)) for j, kk in enumerate(k)]
+        else:
+            targets = [(k, _buffer_index(key, kinds, i, None))]
+        for kk, bidx in targets:
+            value = jnp.asarray(flat_out[pos])
+            size = tuple(kk[0][0])
+            if jnp.broadcast_shapes(value.shape, size) != size:
+                raise RuntimeError(
+                    f"output with shape {list(size)} doesn't match the broadcast shape "
+                    f"{list(jnp.broadcast_shapes(value.shape, size))}"
+                )
+            new_bufs.append(storage.write(bufs[bidx], kk[0], value))
+            pos += 1
+    return new_bufs
 
 
 def _buffer_index(key, kinds, arg_i, list_pos):
@@ -421,17 +498,8 @@ def _register_kernel(op, lowering, functional=None):
         return
     k = Kernel(op, lowering, functional)
     _KERNELS[qual] = k
-    _LIB.impl(op, _checked(k), "PrivateUse1")
+    _LIB.impl(op, k.__call__, "PrivateUse1")
     _registered.add(qual)
-
-
-def _checked(kernel):
-    @functools.wraps(kernel.__call__)
-    def run(*args, **kwargs):
-        return kernel(*args, **kwargs)
-
-    run.kernel = kernel
-    return run
 
 
 def register_impl(name, fn):

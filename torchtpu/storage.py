@@ -106,34 +106,70 @@ def _zeros_flat(numel, jdtype):
     return z
 
 
+# Each storage gets a distinct fake data pointer so that code comparing
+# data_ptr()s (aliasing checks, dedup in serializers) sees the truth. They lie
+# in non-canonical x86-64 address space: any C++ code that dereferences one
+# faults at once instead of reading someone else's memory.
+_FAKE_PTR_BASE = 0x7FF0 << 48
+_next_ptr = _FAKE_PTR_BASE
+_ptr_lock = threading.Lock()
+
+
+def _fake_ptr(nbytes):
+    global _next_ptr
+    with _ptr_lock:
+        p = _next_ptr
+        _next_ptr += (nbytes + 64) & ~63
+        if _next_ptr >= (0x7FFF << 48):
+            _next_ptr = _FAKE_PTR_BASE
+    return p
+
+
+def _new_storage(nbytes, buf):
+    s = _make_storage(_fake_ptr(nbytes), _DEV or _dev(), nbytes)
+    s._tpu = StorageData(buf, nbytes)
+    return s
+
+
 def new_tensor(size, dtype: torch.dtype, buf=None, stride=None) -> torch.Tensor:
     """A fresh tpu tensor of ``size`` (contiguous unless ``stride``) over flat ``buf``."""
-    size = tuple(size)
     if stride is None:
-        stride = contiguous_strides(size)
-        numel = math.prod(size)
+        stride, numel = _contiguous(size)
     else:
         numel = storage_numel(size, stride, 0)
-    itemsize = dtype.itemsize
-    t = _create_empty([0], dtype)
-    s = _make_storage(0, _DEV or _dev(), numel * itemsize)
-    _set_storage(_CPU_KEYSET, t, s, 0, size, stride)
     if buf is None:
         buf = _zeros_flat(numel, dtypes.to_jax(dtype))
-    s._tpu = StorageData(buf, numel * itemsize)
+    t = _create_empty(_EMPTY, dtype)
+    _set_storage(_CPU_KEYSET, t, _new_storage(numel * dtype.itemsize, buf), 0, size, stride)
     return t
+
+
+_EMPTY = [0]
 
 
 def replace_storage(t: torch.Tensor, size, buf) -> None:
     """Give ``t`` a fresh contiguous storage of ``size`` (``resize_``/``set_`` semantics)."""
     size = tuple(size)
-    numel = math.prod(size)
-    nbytes = numel * t.dtype.itemsize
-    s = _make_storage(0, _DEV or _dev(), nbytes)
-    _set_storage(_CPU_KEYSET, t, s, 0, size, contiguous_strides(size))
+    stride, numel = _contiguous(size)
     if buf is None:
         buf = _zeros_flat(numel, dtypes.to_jax(t.dtype))
-    s._tpu = StorageData(buf, nbytes)
+    _set_storage(_CPU_KEYSET, t, _new_storage(numel * t.dtype.itemsize, buf), 0, size, stride)
+
+
+_contig_cache: dict = {}
+
+
+def _contiguous(size):
+    """(contiguous strides, numel) of ``size``, cached: this is on every op's path."""
+    if type(size) is list:
+        size = tuple(size)
+    r = _contig_cache.get(size)
+    if r is None:
+        size = tuple(size)
+        r = (contiguous_strides(size), math.prod(size))
+        if len(_contig_cache) < 65536:
+            _contig_cache[size] = r
+    return r
 
 
 def _dev():

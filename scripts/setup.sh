@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Creates .venv (project-local) and installs torchtpu with its pinned stack.
+# Idempotent: skips the install when pyproject.toml has not changed since the last one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.torchtpu-installed
+want=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+pip() { .venv/bin/python -m pip "$@"; }
+pip install -q --upgrade pip setuptools wheel
+# torch first, exactly pinned: a looser spec resolves to a multi-GB CUDA build
+pip install -q "torch==2.13.0"
+pip install -q -e ".[test]"
+# torchrec's metadata asks for the CUDA fbgemm-gpu; its real needs are in pyproject.toml
+pip install -q --no-deps "torchrec==1.8.0"
+.venv/bin/python -c "import torch, jax, torchrec, ray, torchtpu; assert torch.__version__.startswith('2.13.0')"
+echo "$want" > "$stamp"
