@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import torch
 from torch.utils import _pytree as pytree
 
-from . import dtypes, metrics, storage
+from . import dtypes, lazy, metrics, runtime, storage
 from .random import next_key_data as _next_key_data
 from .storage import layout, new_tensor, storage_data
 
@@ -113,13 +113,15 @@ def _is_meta_leaf(x):
 class _Entry:
     """One compiled form of a kernel: the jitted function and how to wrap its outputs."""
 
-    __slots__ = ("fn", "out_meta", "single", "treedef")
+    __slots__ = ("fn", "out_meta", "single", "treedef", "out_numels", "token")
 
-    def __init__(self, fn, out_meta):
+    def __init__(self, fn, out_meta, out_numels):
         self.fn = fn
         self.out_meta = out_meta
         self.single = _is_meta_leaf(out_meta)
         self.treedef = None if out_meta is None or self.single else pytree.tree_flatten(out_meta, is_leaf=_is_meta_leaf)
+        self.out_numels = out_numels  # flat length of each output buffer (for pending buffers)
+        self.token = lazy.token_of(self)
 
 
 class Kernel:
@@ -200,7 +202,12 @@ class Kernel:
             metrics.record_miss(self.name)
         else:
             metrics.record_hit()
-        outs = entry.fn(*bufs, *dyn)
+        if runtime.deferring():
+            outs = lazy.record(entry.fn, (*bufs, *dyn), entry.out_numels, self.name, entry.token)
+        else:
+            if lazy._pending:  # pending work recorded in another context
+                bufs = [lazy.materialize(b, "materialize") if type(b) is lazy.LazyBuf else b for b in bufs]
+            outs = entry.fn(*bufs, *dyn)
         return self._wrap(vals, outs, entry)
 
     def _tensor_key(self, t, bufs, dyn):
@@ -218,10 +225,10 @@ class Kernel:
                 bufs.append(arr.reshape(-1))
                 return ((tuple(t.shape), storage.contiguous_strides(tuple(t.shape)), 0), t.dtype, arr.size)
             raise RuntimeError(_MIXED_DEVICE.format("tpu:0", t.device))
-        sd = storage_data(t)
-        buf = sd.buf
+        buf = storage_data(t)._buf
         bufs.append(buf)
-        return ((t.shape, t.stride(), t.storage_offset()), t.dtype, buf.shape[0])
+        n = buf.numel if type(buf) is lazy.LazyBuf else buf.shape[0]
+        return ((t.shape, t.stride(), t.storage_offset()), t.dtype, n)
 
     # ---------------------------------------------------------------- building an executable
     def _meta_args(self, vals):
@@ -256,7 +263,17 @@ class Kernel:
             def flat(*xs):
                 return tuple(o.reshape(-1) for o in pytree.tree_leaves(inner(*xs)))
 
-            entry = _Entry(jax.jit(flat), out_meta)
+            if self.inplace:
+                numels = []
+                for i in self.mutated:
+                    k = key[1 + i]
+                    numels.extend(x[2] for x in (k if self.kinds[i] in (_TL, _OTL) else (k,)))
+            else:
+                numels = [math.prod(shape) for shape, _ in pytree.tree_leaves(out_meta, is_leaf=_is_meta_leaf)]
+            entry = _Entry(jax.jit(flat), out_meta, numels)
+            if runtime.deferring():
+                # trace now, so a lowering error surfaces at the user's line, not at the flush
+                jax.eval_shape(entry.fn, *_avals_of(vals, key, self.kinds))
             self.cache[key] = entry
             return entry
 

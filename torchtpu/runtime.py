@@ -15,9 +15,9 @@ import threading
 
 import jax
 
-from . import storage
+from . import lazy, storage
 
-MODES = ("strict_eager",)
+MODES = ("strict_eager", "defer_and_fuse")
 _state = threading.local()
 _global_mode = None
 
@@ -31,6 +31,12 @@ def _default_mode():
 def _check(mode):
     if mode not in MODES:
         raise ValueError(f"torchtpu: unknown execution mode {mode!r}; choose one of {', '.join(MODES)}")
+
+
+def deferring() -> bool:
+    """True when ops should be recorded rather than run (on the op path: keep it cheap)."""
+    m = getattr(_state, "mode", None)
+    return (m or _global_mode or get_execution_mode()) == "defer_and_fuse"
 
 
 def get_execution_mode() -> str:
@@ -47,7 +53,7 @@ def set_execution_mode(mode: str) -> None:
     """Select the execution mode for the whole process (pending work is flushed first)."""
     global _global_mode
     _check(mode)
-    synchronize()
+    lazy.flush("mode_switch")
     _global_mode = mode
 
 
@@ -55,19 +61,20 @@ def set_execution_mode(mode: str) -> None:
 def execution_mode(mode: str):
     """Run a block in ``mode``; the previous mode is restored after it."""
     _check(mode)
-    synchronize()
+    lazy.flush("mode_switch")
     prev = getattr(_state, "mode", None)
     _state.mode = mode
     try:
         yield
     finally:
-        synchronize()
+        lazy.flush("mode_switch")
         _state.mode = prev
 
 
 def synchronize() -> None:
-    """Wait for every device buffer of live tensors to be computed."""
-    bufs = [d.buf for d in list(storage.LIVE)]
+    """Run pending work and wait for every device buffer of live tensors to be computed."""
+    lazy.flush("sync")
+    bufs = [d._buf for d in list(storage.LIVE) if not lazy.is_lazy(d._buf)]
     if bufs:
         jax.block_until_ready(bufs)
 

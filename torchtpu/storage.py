@@ -24,6 +24,7 @@ import torch
 from jax import lax
 
 from . import dtypes
+from . import lazy as _lazy
 
 _DEV = None  # torch.device("tpu", 0), set once the backend is renamed
 _CPU_KEYSET = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -57,22 +58,47 @@ class _MemoryStats:
 
 MEMORY = _MemoryStats()
 LIVE: "weakref.WeakSet[StorageData]" = weakref.WeakSet()  # for synchronize()
+_ARRAY_TYPES = (type(jnp.zeros(())),)  # the concrete jax array type (fast check)
 
 
 class StorageData:
-    """The device bytes of one storage: a flat jax array of ``numel`` elements."""
+    """The device bytes of one storage: a flat jax array of ``numel`` elements.
 
-    __slots__ = ("buf", "nbytes", "__weakref__")
+    Under DeferAndFuse ``_buf`` may be a pending ``lazy.LazyBuf``; reading
+    ``buf`` materializes it (a flush), so code outside the op path always sees
+    a concrete array. Bytes are counted once a concrete buffer exists.
+    """
+
+    __slots__ = ("_buf", "nbytes", "counted", "__weakref__")
 
     def __init__(self, buf, nbytes):
-        self.buf = buf
         self.nbytes = nbytes
-        MEMORY.add(nbytes)
+        self.counted = False
+        self._buf = None
+        self.buf = buf
         LIVE.add(self)
+
+    @property
+    def buf(self):
+        b = self._buf
+        if type(b) is not _ARRAY_TYPES[0] and b is not None and _lazy.is_lazy(b):
+            _lazy.materialize(b, "materialize")
+            b = self._buf
+        return b
+
+    @buf.setter
+    def buf(self, b):
+        self._buf = b
+        if _lazy.is_lazy(b):
+            _lazy.register_owner(self)
+        elif not self.counted:
+            self.counted = True
+            MEMORY.add(self.nbytes)
 
     def __del__(self):
         try:
-            MEMORY.sub(self.nbytes)
+            if self.counted:
+                MEMORY.sub(self.nbytes)
         except Exception:  # interpreter shutdown
             pass
 
@@ -285,9 +311,11 @@ def write(buf, lay, value):
 
 # ---------------------------------------------------------------- host transfers
 def to_numpy_host(t: torch.Tensor) -> np.ndarray:
-    """Host copy of a tpu tensor's logical value (blocks)."""
+    """Host copy of a tpu tensor's logical value (blocks). The one host-read path."""
     from .registry import logical_value
 
+    if _lazy._pending:
+        _lazy.flush("host_read")
     return np.asarray(jax.device_get(logical_value(t)))
 
 

@@ -12,7 +12,7 @@ import torch
 
 from .. import dtypes, storage
 from ..device import check_device
-from ..registry import impl, logical_value, lower
+from ..registry import LOWERINGS, Kernel, impl, logical_value, lower
 
 aten = torch.ops.aten
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -113,11 +113,26 @@ def _cpu_to_jax(t: torch.Tensor):
     return jnp.asarray(dtypes.cpu_tensor_to_numpy(t.contiguous()))
 
 
+@lower("copy")
+def _copy(dst, src, non_blocking=False):
+    return jnp.broadcast_to(src, dst.shape).astype(dst.dtype)
+
+
+@lower("_to_copy")
+def _to_copy_tpu(x, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
+    return x  # the registry casts to the dtype PyTorch's meta gives
+
+
+_copy_inplace = Kernel(aten.copy_.default, LOWERINGS["aten::copy.default"], functional=aten.copy.default)
+_to_copy_kernel = Kernel(aten._to_copy.default, LOWERINGS["aten::_to_copy.default"])
+
+
 @impl("copy_")
 def _copy_(dst, src, non_blocking=False):
     if dst.device.type == "tpu":
         if src.device.type == "tpu":
-            value = logical_value(src)
+            # recorded like any op under DeferAndFuse
+            return _copy_inplace(dst, src, non_blocking)
         elif src.device.type == "cpu":
             value = _cpu_to_jax(src)
         else:
@@ -187,11 +202,7 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
     target = torch.device("tpu") if device is None else torch.device(device)
     if self.device.type == "tpu" and target.type == "tpu":
         check_device(target)
-        value = logical_value(self)
-        jd = dtypes.to_jax(dtype)
-        if value.dtype != jd:
-            value = _cast(value, jd)
-        return storage.new_tensor(self.shape, dtype, value.reshape(-1) if value.ndim != 1 else value)
+        return _to_copy_kernel(self, dtype=dtype)
     if self.device.type == "tpu" and target.type == "cpu":
         host = dtypes.numpy_to_torch(storage.to_numpy_host(self), self.dtype)
         if dtype != self.dtype:

@@ -1,0 +1,248 @@
+"""DeferAndFuse: ops are recorded as pending nodes and fused into one XLA
+computation when a value is needed.
+
+Each kernel call (registry) under this mode appends a ``Node`` (the op's
+already-built executable plus its inputs) and hands back tensors whose buffers
+are ``LazyBuf``s with known shape and dtype. A flush traces every pending node
+into one function whose outputs are only the buffers that live tensors still
+hold — dead intermediates are never materialized — and runs it through a jit
+cached by graph structure, so a steady loop compiles once.
+
+Flush triggers, each calling ``flush(reason)`` from its own place:
+``host_read`` (ops/core.py: .item(), .cpu(), .tolist(), printing, bool(t)),
+``sync`` (runtime.synchronize), ``mode_switch`` (runtime), ``loop`` and
+``size_cap`` (here, in ``record``), ``materialize`` (a concrete buffer was
+needed by code outside the op path: storage.StorageData.buf), and
+``collective`` for the distributed backend.
+"""
+
+from __future__ import annotations
+
+import os
+import random as _random
+import sys
+import threading
+import weakref
+
+import jax
+
+from . import metrics
+
+_lock = threading.RLock()
+
+
+class LazyBuf:
+    """A pending flat buffer: output ``index`` of ``node`` (``value`` once computed)."""
+
+    __slots__ = ("node", "index", "numel", "value", "__weakref__")
+
+    def __init__(self, node, index, numel):
+        self.node = node
+        self.index = index
+        self.numel = numel
+        self.value = None
+
+
+def is_lazy(b) -> bool:
+    return type(b) is LazyBuf
+
+
+class Node:
+    __slots__ = ("fn", "inputs", "name", "site", "token")
+
+    def __init__(self, fn, inputs, name, site, token):
+        self.fn = fn
+        self.inputs = inputs
+        self.name = name
+        self.site = site
+        self.token = token
+
+
+# ---------------------------------------------------------------- pending state
+_pending: list[Node] = []
+_owners: list = []  # weakrefs to StorageData that were handed a LazyBuf
+_graph_cache: dict = {}
+MAX_PENDING = int(os.environ.get("TORCHTPU_MAX_PENDING_OPS", "4096"))
+MIN_LOOP_PERIOD = int(os.environ.get("TORCHTPU_MIN_LOOP_PERIOD", "16"))
+
+# repeating-sequence detection over op tokens: prefix hashes mod a Mersenne prime
+_P = (1 << 61) - 1
+_B = 1_000_003
+_prefix = [0]
+_pow = [1]
+_last_pos: dict = {}
+_period = None  # (length, hash) of the detected loop body
+_tokens: dict = {}
+
+
+def token_of(entry) -> int:
+    t = _tokens.get(id(entry))
+    if t is None:
+        t = _random.getrandbits(60) + 1
+        _tokens[id(entry)] = t
+    return t
+
+
+def register_owner(sd) -> None:
+    _owners.append(weakref.ref(sd))
+
+
+def _user_site():
+    """(file, line, function) of the first frame outside torch/torchtpu."""
+    f = sys._getframe(2)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if "/torch/" not in fn and "/torchtpu/" not in fn:
+            return (fn, f.f_lineno, f.f_code.co_name)
+        f = f.f_back
+    return None
+
+
+def record(fn, inputs, out_numels, name, token):
+    """Append a node; returns its pending output buffers."""
+    node = Node(fn, inputs, name, _user_site(), token)
+    with _lock:
+        _pending.append(node)
+        n = len(_pending)
+        h = (_prefix[-1] * _B + token) % _P
+        _prefix.append(h)
+        if len(_pow) <= n:
+            _pow.append(_pow[-1] * _B % _P)
+        outs = [LazyBuf(node, i, n) for i, n in enumerate(out_numels)]
+        reason = _flush_reason(n, token)
+    if reason is not None:
+        flush(reason, keep=outs)
+    return outs
+
+
+def _hash(i, j):
+    """Hash of tokens [i, j) from the prefix table."""
+    return (_prefix[j] - _prefix[i] * _pow[j - i]) % _P
+
+
+def _flush_reason(n, token):
+    global _period
+    if _period is not None and n == _period[0]:
+        if _hash(0, n) == _period[1]:
+            return "loop"
+        _period = None  # the loop changed shape
+    prev = _last_pos.get(token)
+    _last_pos[token] = n
+    if prev is not None:
+        p = n - prev
+        if p >= MIN_LOOP_PERIOD and n >= 2 * p and _hash(n - p, n) == _hash(n - 2 * p, n - p):
+            _period = (p, _hash(n - p, n))
+            return "loop"
+    if n >= MAX_PENDING:
+        return "size_cap"
+    return None
+
+
+def pending_count() -> int:
+    return len(_pending)
+
+
+# ---------------------------------------------------------------- flushing
+def materialize(buf: LazyBuf, reason: str):
+    if buf.value is None:
+        flush(reason, keep=[buf])
+    return buf.value
+
+
+def flush(reason: str, keep=()) -> None:
+    """Run every pending node as one fused computation.
+
+    Outputs are the pending buffers still held by a live storage, plus ``keep``.
+    """
+    global _pending, _owners
+    with _lock:
+        if not _pending:
+            return
+        nodes, owners = _pending, _owners
+        _pending, _owners = [], []
+        _prefix[:] = [0]
+        _last_pos.clear()
+        metrics.record_flush(reason)
+        live_sds = []
+        seen_sd = set()
+        for r in owners:
+            sd = r()
+            if sd is not None and id(sd) not in seen_sd and type(sd._buf) is LazyBuf:
+                seen_sd.add(id(sd))
+                live_sds.append(sd)
+        live = []
+        seen = set()
+        for b in [sd._buf for sd in live_sds] + list(keep):
+            if b.value is None and id(b) not in seen:
+                seen.add(id(b))
+                live.append(b)
+        index = {id(n): i for i, n in enumerate(nodes)}
+        ext = []
+        spec = []
+        for n in nodes:
+            ins = []
+            for x in n.inputs:
+                if type(x) is LazyBuf:
+                    if x.value is not None:
+                        ins.append(len(ext))
+                        ext.append(x.value)
+                    else:
+                        ins.append((index[id(x.node)], x.index))
+                else:
+                    ins.append(len(ext))
+                    ext.append(x)
+            spec.append((n.fn, tuple(ins)))
+        outs = tuple((index[id(b.node)], b.index) for b in live)
+        key = (tuple(spec), outs)
+        fused = _graph_cache.get(key)
+        if fused is None:
+            fused = jax.jit(_make_graph_fn(spec, outs, nodes))
+            _graph_cache[key] = fused
+        try:
+            results = fused(*ext)
+        except Exception as e:
+            _annotate(e, nodes)
+            raise
+        for b, v in zip(live, results):
+            b.value = v
+        for sd in live_sds:
+            b = sd._buf
+            if b.value is not None:
+                sd.buf = b.value
+
+
+def _make_graph_fn(spec, outs, nodes):
+    names = [(n.name, n.site) for n in nodes]
+
+    def graph(*ext):
+        env = []
+        for (fn, ins), (name, site) in zip(spec, names):
+            args = [ext[i] if type(i) is int else env[i[0]][i[1]] for i in ins]
+            try:
+                env.append(fn(*args))
+            except Exception as e:
+                _add_site_note(e, name, site)
+                raise
+        return [env[i][j] for i, j in outs]
+
+    return graph
+
+
+def _add_site_note(e, name, site):
+    if getattr(e, "_torchtpu_site", False):
+        return
+    e._torchtpu_site = True
+    where = f"{site[0]}:{site[1]} in {site[2]}" if site else "an unknown line"
+    e.add_note(f"torchtpu DeferAndFuse: the failing op {name} was recorded at {where}")
+
+
+def _annotate(e, nodes):
+    if not getattr(e, "_torchtpu_site", False) and nodes:
+        sites = ", ".join(
+            f"{n.name} at {n.site[0]}:{n.site[1]}" for n in nodes[-3:] if n.site is not None
+        )
+        e.add_note(f"torchtpu DeferAndFuse: failed while running {len(nodes)} fused ops (last: {sites})")
+
+
+def clear_cache() -> None:
+    _graph_cache.clear()
