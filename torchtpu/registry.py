@@ -222,12 +222,12 @@ class Kernel:
                 return ("cpu0", t.dtype)
             if self.lowering.allow_cpu:
                 arr = jnp.asarray(dtypes.cpu_tensor_to_numpy(t.contiguous()))
-                bufs.append(arr.reshape(-1))
+                bufs.append(arr)
                 return ((tuple(t.shape), storage.contiguous_strides(tuple(t.shape)), 0), t.dtype, arr.size)
             raise RuntimeError(_MIXED_DEVICE.format("tpu:0", t.device))
         buf = storage_data(t)._buf
         bufs.append(buf)
-        n = buf.numel if type(buf) is lazy.LazyBuf else buf.shape[0]
+        n = buf.numel if type(buf) is lazy.LazyBuf else buf.size
         return ((t.shape, t.stride(), t.storage_offset()), t.dtype, n)
 
     # ---------------------------------------------------------------- building an executable
@@ -256,12 +256,12 @@ class Kernel:
             inner = self._make_inner(key, vals, out_meta)
             if out_meta is None and not self.inplace:
                 # no meta kernel: take shapes from abstract evaluation of the lowering
-                avals = _avals_of(vals, key, self.kinds)
+                avals = _avals_of(vals, key, self.kinds, self.lowering.random)
                 shaped = jax.eval_shape(inner, *avals)
                 out_meta = pytree.tree_map(lambda a: (tuple(a.shape), dtypes.to_torch(a.dtype)), shaped)
 
             def flat(*xs):
-                return tuple(o.reshape(-1) for o in pytree.tree_leaves(inner(*xs)))
+                return tuple(pytree.tree_leaves(inner(*xs)))
 
             if self.inplace:
                 numels = []
@@ -273,7 +273,7 @@ class Kernel:
             entry = _Entry(jax.jit(flat), out_meta, numels)
             if runtime.deferring():
                 # trace now, so a lowering error surfaces at the user's line, not at the flush
-                jax.eval_shape(entry.fn, *_avals_of(vals, key, self.kinds))
+                jax.eval_shape(entry.fn, *_avals_of(vals, key, self.kinds, self.lowering.random))
             self.cache[key] = entry
             return entry
 
@@ -412,7 +412,7 @@ def _nbufs(k, kind):
     return 0
 
 
-def _avals_of(vals, key, kinds):
+def _avals_of(vals, key, kinds, random=False):
     """ShapeDtypeStructs for the flat arguments of a kernel's traced function."""
     bufs, dyn = [], []
 
@@ -440,6 +440,8 @@ def _avals_of(vals, key, kinds):
             dyn.extend(x.item() if isinstance(x, torch.Tensor) else x for x, kk in zip(v, k) if kk is not None and kk[0] in _NOBUF)
         elif kind == _SCALAR and v is not None:
             dyn.append(v)
+    if random:
+        dyn.append(jax.ShapeDtypeStruct((2,), jnp.uint32))
     return bufs + dyn
 
 
@@ -564,6 +566,10 @@ def register_all():
                 continue
             _register_kernel(op, low, functional=fop)
     _register_out_variants()
+    # last: PyTorch decompositions for ops still without a kernel (never shadows the above)
+    from .ops.decomp import register_decompositions
+
+    register_decompositions()
 
 
 def _functional_of_out(op):
@@ -633,7 +639,9 @@ def logical_value(t: torch.Tensor):
     lay = layout(t)
     buf = sd.buf
     size, stride, offset = lay
-    if offset == 0 and buf.shape[0] == math.prod(size) and storage._is_contiguous(size, stride):
+    if offset == 0 and buf.size == math.prod(size) and storage._is_contiguous(size, stride):
+        if tuple(buf.shape) == tuple(size):
+            return buf
         return buf.reshape(size)
     return _read_jit(lay)(buf)
 
@@ -646,7 +654,7 @@ def _read_jit(lay):
 def from_jax_array(arr, dtype=None) -> torch.Tensor:
     arr = jnp.asarray(arr)
     dt = dtypes.to_torch(arr.dtype) if dtype is None else dtype
-    return new_tensor(arr.shape, dt, arr.reshape(-1))
+    return new_tensor(arr.shape, dt, arr)
 
 
 def user_frame():

@@ -258,14 +258,19 @@ def _index_array(size, stride, offset):
 
 
 def read(buf, lay):
-    """The logical value of a tensor with layout ``lay`` over flat ``buf`` (traced)."""
+    """The logical value of a tensor with layout ``lay`` over ``buf`` (traced).
+
+    ``buf`` holds the storage's elements in order; its shape is whatever its
+    producer gave (an op's output keeps its shape, so ``to_jax`` needs no copy).
+    """
     size, stride, offset = lay
     numel = math.prod(size)
     if numel == 0:
         return jnp.zeros(size, buf.dtype)
+    if _is_contiguous(size, stride) and offset == 0 and buf.size == numel:
+        return buf if tuple(buf.shape) == tuple(size) else buf.reshape(size)
+    buf = buf.reshape(-1)
     if _is_contiguous(size, stride):
-        if offset == 0 and buf.shape[0] == numel:
-            return buf.reshape(size)
         return lax.slice(buf, (offset,), (offset + numel,)).reshape(size)
     plan = _block_plan(size, stride)
     if plan is not None:
@@ -293,11 +298,16 @@ def write(buf, lay, value):
     value = jnp.broadcast_to(value.astype(buf.dtype), size)
     if numel == 0:
         return buf
+    if _is_contiguous(size, stride) and offset == 0 and buf.size == numel:
+        return value  # the whole storage is replaced: keep the value's own shape
+    shape = buf.shape
+    return _write_flat(buf.reshape(-1), size, stride, offset, value).reshape(shape)
+
+
+def _write_flat(buf, size, stride, offset, value):
+    numel = math.prod(size)
     if _is_contiguous(size, stride):
-        flat = value.reshape((numel,))
-        if offset == 0 and buf.shape[0] == numel:
-            return flat
-        return lax.dynamic_update_slice(buf, flat, (offset,))
+        return lax.dynamic_update_slice(buf, value.reshape((numel,)), (offset,))
     plan = _block_plan(size, stride)
     if plan is not None and not has_internal_overlap(size, stride):
         block_shape, order, dims = plan

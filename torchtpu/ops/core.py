@@ -56,7 +56,7 @@ def _view_dtype(self, dtype):
         )
     value = jax.lax.bitcast_convert_type(logical_value(self), dtypes.to_jax(dtype))
     # a bitcast view shares no buffer with its source on XLA: results are a copy
-    return storage.new_tensor(self.shape, dtype, value.reshape(-1))
+    return storage.new_tensor(self.shape, dtype, value)
 
 
 # ---------------------------------------------------------------- factories
@@ -170,13 +170,13 @@ def _write_value(dst, value):
                 f"The size of tensor a ({list(size)}) must match the size of tensor b ({list(value.shape)})"
             ) from None
     numel = math.prod(size)
-    if (lay[2] == 0 and sd.buf.shape[0] == numel and storage._is_contiguous(size, lay[1])
+    if (lay[2] == 0 and sd.buf.size == numel and storage._is_contiguous(size, lay[1])
             and tuple(value.shape) == tuple(size)):
         jd = dtypes.to_jax(dst.dtype)
         v = value if value.dtype == jd else _cast(value, jd)
-        sd.buf = v if v.ndim == 1 else v.reshape(-1)
+        sd.buf = v
         return
-    key = (lay, sd.buf.shape[0], sd.buf.dtype, value.shape, value.dtype)
+    key = (lay, sd.buf.shape, sd.buf.dtype, value.shape, value.dtype)
     fn = _write_cache.get(key)
     if fn is None:
         fn = jax.jit(lambda b, v: storage.write(b, lay, v))
@@ -213,7 +213,7 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
     if target.type == "tpu":  # cpu -> tpu arrives here only through explicit dispatch
         check_device(target)
         value = _cpu_to_jax(self.to(dtype))
-        return storage.new_tensor(self.shape, dtype, value.reshape(-1))
+        return storage.new_tensor(self.shape, dtype, value)
     raise RuntimeError(f"torchtpu: cannot copy a tpu tensor to {target}")
 
 
@@ -231,7 +231,7 @@ def _resize_(self, size, memory_format=None):
     old_numel = math.prod(self.shape)
     new_numel = math.prod(size)
     sd = storage.storage_data(self)
-    if new_numel <= sd.buf.shape[0] - self.storage_offset() and self.is_contiguous():
+    if new_numel <= sd.buf.size - self.storage_offset() and self.is_contiguous():
         # fits in the existing storage: a metadata change, as on CPU
         aten.set_.source_Storage_storage_offset(self, self.untyped_storage(), self.storage_offset(),
                                                 size, storage.contiguous_strides(size))
