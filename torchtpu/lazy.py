@@ -130,7 +130,9 @@ def _flush_reason(n, token):
     _last_pos[token] = n
     if prev is not None:
         p = n - prev
-        if p >= MIN_LOOP_PERIOD and n >= 2 * p and _hash(n - p, n) == _hash(n - 2 * p, n - p):
+        if p < MIN_LOOP_PERIOD:  # a short cycle: take the multiple of it that is long enough
+            p *= -(-MIN_LOOP_PERIOD // p)
+        if n >= 2 * p and _hash(n - p, n) == _hash(n - 2 * p, n - p):
             _period = (p, _hash(n - p, n))
             return "loop"
     if n >= MAX_PENDING:

@@ -32,7 +32,16 @@ aten = torch.ops.aten
 
 LOWERINGS: dict[str, "Lowering"] = {}
 _KERNELS: dict[str, "Kernel"] = {}
-_LIB = torch.library.Library("aten", "IMPL")
+_LIBS: dict = {}
+
+
+def _lib_for(op) -> torch.library.Library:
+    """The IMPL library of ``op``'s namespace (aten, fbgemm, a test's own, ...)."""
+    ns = op._schema.name.split("::")[0]
+    lib = _LIBS.get(ns)
+    if lib is None:
+        lib = _LIBS[ns] = torch.library.Library(ns, "IMPL")
+    return lib
 _registered: set[str] = set()
 
 
@@ -517,7 +526,7 @@ def _register_kernel(op, lowering, functional=None):
         return
     k = Kernel(op, lowering, functional)
     _KERNELS[qual] = k
-    _LIB.impl(op, k.__call__, "PrivateUse1")
+    _lib_for(op).impl(op, k.__call__, "PrivateUse1")
     _registered.add(qual)
 
 
@@ -528,7 +537,8 @@ def register_impl(name, fn):
         qual += ".default"
     if qual in _registered:
         raise RuntimeError(f"torchtpu: two kernels for {qual}")
-    _LIB.impl(op_from_name(qual), fn, "PrivateUse1")
+    op = op_from_name(qual)
+    _lib_for(op).impl(op, fn, "PrivateUse1")
     _registered.add(qual)
     return fn
 
@@ -629,7 +639,7 @@ def _register_out_variants():
             fop, out_names = _functional_of_out(op)
             if fop is None or f"{fop._schema.name}.{fop._overloadname}" not in _registered:
                 continue
-            _LIB.impl(op, _make_out_kernel(op, fop, out_names), "PrivateUse1")
+            _lib_for(op).impl(op, _make_out_kernel(op, fop, out_names), "PrivateUse1")
             _registered.add(qual)
 
 
