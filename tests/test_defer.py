@@ -94,7 +94,8 @@ def _step(w, x):
     return x.neg().neg()
 
 
-def test_repeating_loop_flushes_once_per_iteration_and_stops_compiling(defer):
+def test_repeating_loop_flushes_once_per_iteration_and_stops_compiling(defer, monkeypatch):
+    monkeypatch.setattr(lazy, "MIN_LOOP_PERIOD", 16)  # this toy step has ~27 ops
     w = torch.ones(8).to("tpu")
     x = torch.linspace(-1, 1, 32).reshape(4, 8).to("tpu")
     for _ in range(4):  # warm-up: detection needs two iterations, and the first loop flush is longer

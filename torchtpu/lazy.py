@@ -48,22 +48,24 @@ def is_lazy(b) -> bool:
 
 
 class Node:
-    __slots__ = ("fn", "inputs", "name", "site", "token")
+    """A recorded op: ``spec`` is (fn, inputs as pending (node, output) pairs or external slots)."""
 
-    def __init__(self, fn, inputs, name, site, token):
-        self.fn = fn
-        self.inputs = inputs
+    __slots__ = ("spec", "pos", "name", "site")
+
+    def __init__(self, spec, pos, name, site):
+        self.spec = spec
+        self.pos = pos
         self.name = name
         self.site = site
-        self.token = token
 
 
 # ---------------------------------------------------------------- pending state
 _pending: list[Node] = []
+_ext: list = []  # concrete inputs of the pending graph, in slot order
 _owners: list = []  # weakrefs to StorageData that were handed a LazyBuf
 _graph_cache: dict = {}
 MAX_PENDING = int(os.environ.get("TORCHTPU_MAX_PENDING_OPS", "4096"))
-MIN_LOOP_PERIOD = int(os.environ.get("TORCHTPU_MIN_LOOP_PERIOD", "16"))
+MIN_LOOP_PERIOD = int(os.environ.get("TORCHTPU_MIN_LOOP_PERIOD", "32"))
 
 # repeating-sequence detection over op tokens: prefix hashes mod a Mersenne prime
 _P = (1 << 61) - 1
@@ -100,8 +102,18 @@ def _user_site():
 
 def record(fn, inputs, out_numels, name, token):
     """Append a node; returns its pending output buffers."""
-    node = Node(fn, inputs, name, _user_site(), token)
+    site = _user_site()
     with _lock:
+        ins = []
+        for x in inputs:
+            if type(x) is LazyBuf:
+                if x.value is None:
+                    ins.append((x.node.pos, x.index))
+                    continue
+                x = x.value
+            ins.append(len(_ext))
+            _ext.append(x)
+        node = Node((fn, tuple(ins)), len(_pending), name, site)
         _pending.append(node)
         n = len(_pending)
         h = (_prefix[-1] * _B + token) % _P
@@ -156,12 +168,12 @@ def flush(reason: str, keep=()) -> None:
 
     Outputs are the pending buffers still held by a live storage, plus ``keep``.
     """
-    global _pending, _owners
+    global _pending, _owners, _ext
     with _lock:
         if not _pending:
             return
-        nodes, owners = _pending, _owners
-        _pending, _owners = [], []
+        nodes, owners, ext = _pending, _owners, _ext
+        _pending, _owners, _ext = [], [], []
         _prefix[:] = [0]
         _last_pos.clear()
         metrics.record_flush(reason)
@@ -178,24 +190,9 @@ def flush(reason: str, keep=()) -> None:
             if b.value is None and id(b) not in seen:
                 seen.add(id(b))
                 live.append(b)
-        index = {id(n): i for i, n in enumerate(nodes)}
-        ext = []
-        spec = []
-        for n in nodes:
-            ins = []
-            for x in n.inputs:
-                if type(x) is LazyBuf:
-                    if x.value is not None:
-                        ins.append(len(ext))
-                        ext.append(x.value)
-                    else:
-                        ins.append((index[id(x.node)], x.index))
-                else:
-                    ins.append(len(ext))
-                    ext.append(x)
-            spec.append((n.fn, tuple(ins)))
-        outs = tuple((index[id(b.node)], b.index) for b in live)
-        key = (tuple(spec), outs)
+        spec = tuple(n.spec for n in nodes)
+        outs = tuple((b.node.pos, b.index) for b in live)
+        key = (spec, outs)
         fused = _graph_cache.get(key)
         if fused is None:
             fused = jax.jit(_make_graph_fn(spec, outs, nodes))
@@ -207,6 +204,7 @@ def flush(reason: str, keep=()) -> None:
             raise
         for b, v in zip(live, results):
             b.value = v
+            b.node = None
         for sd in live_sds:
             b = sd._buf
             if b.value is not None:
