@@ -22,6 +22,7 @@ import os
 import random as _random
 import sys
 import threading
+import warnings
 import weakref
 
 import jax
@@ -192,13 +193,18 @@ def flush(reason: str, keep=()) -> None:
                 live.append(b)
         spec = tuple(n.spec for n in nodes)
         outs = tuple((b.node.pos, b.index) for b in live)
-        key = (spec, outs)
+        donate = _donatable(ext)
+        key = (spec, outs, donate)
         fused = _graph_cache.get(key)
         if fused is None:
-            fused = jax.jit(_make_graph_fn(spec, outs, nodes))
+            fused = jax.jit(_make_graph_fn(spec, outs, nodes), donate_argnums=donate)
             _graph_cache[key] = fused
         try:
-            results = fused(*ext)
+            with warnings.catch_warnings():
+                # XLA may decline a donation (e.g. no output of that shape): harmless
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                results = fused(*ext)
+            del ext
         except Exception as e:
             _annotate(e, nodes)
             raise
@@ -209,6 +215,25 @@ def flush(reason: str, keep=()) -> None:
             b = sd._buf
             if b.value is not None:
                 sd.buf = b.value
+
+
+def _donatable(ext):
+    """Slots whose buffer nothing else holds: an old parameter or optimizer state
+    replaced by this flush. Donating them lets XLA write the new values in place,
+    so a training step does not hold two copies."""
+    counts: dict = {}
+    for a in ext:
+        counts[id(a)] = counts.get(id(a), 0) + 1
+    out = []
+    for i in range(len(ext)):
+        a = ext[i]
+        # references: the ext list, this loop's variable, getrefcount's argument
+        if counts[id(a)] == 1 and type(a) is _ARRAY and sys.getrefcount(a) <= 3 and a.size > 0:
+            out.append(i)
+    return tuple(out)
+
+
+_ARRAY = type(jax.numpy.zeros(()))
 
 
 def _make_graph_fn(spec, outs, nodes):
