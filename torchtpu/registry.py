@@ -60,7 +60,8 @@ class Lowering:
 def lower(*names, static=(), random=False, allow_cpu=False, meta=None):
     """Register ``fn`` as the JAX lowering of the aten ops ``names``.
 
-    ``fn`` receives the op's arguments in schema order: tensors as jax arrays,
+    ``fn`` receives ALL the op's arguments positionally in schema order (keyword-only
+    ones too, so don't declare them with ``*``): tensors as jax arrays,
     ``Scalar`` arguments as traced values (not recompiled per value) unless
     named in ``static``, everything else as python values. ``random=True``
     passes a ``key=`` jax PRNG key. Return a jax array (or a tuple/list).

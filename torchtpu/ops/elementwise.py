@@ -93,7 +93,7 @@ for _name, _fn in _UNARY.items():
     lower(_name)(_unary(_fn))
 
 @lower("round.decimals", static=("decimals",))
-def _round_dec(x, *, decimals=0):
+def _round_dec(x, decimals=0):
     return jnp.round(x, decimals)
 
 
@@ -111,7 +111,7 @@ def _nan_to_num(x, nan=None, posinf=None, neginf=None):
 
 
 @lower("gelu", static=("approximate",))
-def _gelu(x, *, approximate="none"):
+def _gelu(x, approximate="none"):
     return jax.nn.gelu(x, approximate=(approximate == "tanh"))
 
 
@@ -277,7 +277,7 @@ lower("fmod.Tensor", "fmod.Scalar")(_fmod)
 
 
 @lower("div.Tensor_mode", "div.Scalar_mode", static=("rounding_mode",))
-def _div_mode(a, b, *, rounding_mode=None):
+def _div_mode(a, b, rounding_mode=None):
     if rounding_mode is None:
         return _div_true(a, b)
     a, b = _promote_pair(a, b)
@@ -395,12 +395,12 @@ def _lerp(a, b, w):
 
 
 @lower("addcmul")
-def _addcmul(x, t1, t2, *, value=1):
+def _addcmul(x, t1, t2, value=1):
     return x + value * t1 * t2
 
 
 @lower("addcdiv")
-def _addcdiv(x, t1, t2, *, value=1):
+def _addcdiv(x, t1, t2, value=1):
     return x + value * t1 / t2
 
 
