@@ -22,7 +22,7 @@ from . import device as _device  # noqa: E402
 _device.register()
 
 from . import fallback as _fallback  # noqa: E402
-from . import metrics  # noqa: E402
+from . import bucketing, metrics  # noqa: E402
 from . import registry as _registry  # noqa: E402
 from . import ops  # noqa: E402,F401
 from .fallback import TPUFallbackWarning, cpu_fallback_enabled, set_cpu_fallback  # noqa: E402
@@ -53,6 +53,7 @@ def device() -> torch.device:
 
 __all__ = [
     "TPUFallbackWarning",
+    "bucketing",
     "cpu_fallback_enabled",
     "device",
     "enable_persistent_cache",

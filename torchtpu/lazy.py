@@ -199,6 +199,9 @@ def flush(reason: str, keep=()) -> None:
         if fused is None:
             fused = jax.jit(_make_graph_fn(spec, outs, nodes), donate_argnums=donate)
             _graph_cache[key] = fused
+            site = next((n.site for n in nodes if n.site is not None), None)
+            where = f"{site[0]}:{site[1]}" if site else "unknown"
+            metrics.record_miss(f"fused graph from {where}")
         try:
             with warnings.catch_warnings():
                 # XLA may decline a donation (e.g. no output of that shape): harmless

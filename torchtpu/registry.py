@@ -163,7 +163,7 @@ class Kernel:
         self.mutated = [i for i, a in enumerate(self.args) if a.alias_info is not None and a.alias_info.is_write]
         self.n_returns = len(schema.returns)
         self.cache: dict = {}
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
 
     # ---------------------------------------------------------------- binding
     def bind(self, args, kwargs):
@@ -209,7 +209,7 @@ class Kernel:
         entry = self.cache.get(key)
         if entry is None:
             entry = self._build(key, vals, len(bufs))
-            metrics.record_miss(self.name)
+            metrics.record_miss(self.name, key)
         else:
             metrics.record_hit()
         if runtime.deferring():
@@ -247,6 +247,8 @@ class Kernel:
                 if t.device.type == "cpu" and t.dim() == 0:
                     return t
                 return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            if isinstance(t, torch.device) and t.type == "tpu":
+                return _META_DEVICE  # factories: shapes from meta, never re-entering this kernel
             return t
 
         margs = []
@@ -497,6 +499,7 @@ def _buffer_index(key, kinds, arg_i, list_pos):
 
 
 _NOBUF = ("cpu0", "num")
+_META_DEVICE = torch.device("meta")
 
 
 class _NoDefaultType:
