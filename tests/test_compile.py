@@ -1,0 +1,262 @@
+"""Compiled mode: torch.compile(..., backend="tpu") gives the results of eager mode.
+
+Tolerances: compiled and eager tpu run the same lowerings, but XLA fuses a whole
+graph (other summation orders, fused multiply-adds), and AOTAutograd's
+decompositions may reorder arithmetic, so float32 results agree to a few ulp,
+not bit for bit; training losses over a few steps stay within 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+
+import torchtpu
+import torchtpu.compile  # noqa: F401  (registers the "tpu" backend until __init__ imports it)
+from torchtpu.models import TinyTransformer, TransformerConfig
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    torchtpu.set_cpu_fallback(True)
+
+
+def _fn(x, y):
+    h = (x @ y).relu()
+    return h.sum(1) + torch.sin(x[:, :3]).t().mean() * torch.tanh(h).max(), h.transpose(0, 1).contiguous()
+
+
+def test_backend_is_registered():
+    assert "tpu" in torch._dynamo.list_backends(exclude_tags=())
+
+
+def test_function_matches_eager_tpu_and_cpu():
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 5), torch.randn(5, 3)
+    cf = torch.compile(_fn, backend="tpu")
+    got = cf(x.to("tpu"), y.to("tpu"))
+    eager_tpu = _fn(x.to("tpu"), y.to("tpu"))
+    cpu = _fn(x, y)
+    for g, e, c in zip(got, eager_tpu, cpu):
+        assert g.device.type == "tpu"
+        torch.testing.assert_close(g.cpu(), e.cpu(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g.cpu(), c, rtol=1e-5, atol=1e-6)
+    # second call with new values reuses the graph and gives the new result
+    x2 = torch.randn(4, 5)
+    torch.testing.assert_close(cf(x2.to("tpu"), y.to("tpu"))[0].cpu(), _fn(x2, y)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_module_forward_and_grads_match_cpu():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.GELU(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    mt = copy.deepcopy(m).to("tpu")
+    cm = torch.compile(mt, backend="tpu")
+    x = torch.randn(4, 5)
+    out = cm(x.to("tpu"))
+    ref = m(x)
+    torch.testing.assert_close(out.cpu(), ref.detach(), rtol=1e-5, atol=1e-6)
+    (out * out).sum().backward()
+    (ref * ref).sum().backward()
+    for pt, pc in zip(mt.parameters(), m.parameters()):
+        torch.testing.assert_close(pt.grad.cpu(), pc.grad, rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------- training
+CFG = TransformerConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=16)
+STEPS = 5
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(0, CFG.vocab_size, (4, CFG.max_seq_len + 1), generator=g)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def _train(device, mode, make_opt):
+    """mode: 'eager', 'fwd_bwd' (loss+backward compiled, optimizer eager), 'step' (whole step compiled)."""
+    torch.manual_seed(0)
+    model = TinyTransformer(CFG).to(device)
+    opt = make_opt(model.parameters())
+    x, y = (t.to(device) for t in _batch())
+
+    def step():
+        loss = model.loss(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+
+    if mode == "step":
+        run = torch.compile(step, backend="tpu")
+    elif mode == "fwd_bwd":
+
+        @torch.compile(backend="tpu")
+        def fwd_bwd():
+            loss = model.loss(x, y)
+            loss.backward()
+            return loss
+
+        def run():
+            opt.zero_grad(set_to_none=True)
+            loss = fwd_bwd()
+            opt.step()
+            return loss
+    else:
+        run = step
+    losses = [run().item() for _ in range(STEPS)]
+    return losses, model
+
+
+def _adamw(p):
+    return torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01, foreach=True)
+
+
+def _sgd(p):
+    return torch.optim.SGD(p, lr=0.1, momentum=0.9)
+
+
+def _check_losses(got, ref):
+    assert got[-1] < got[0], got  # it trained
+    for g, r in zip(got, ref):
+        assert abs(g - r) <= 1e-5 * abs(r), (got, ref)
+
+
+def test_transformer_forward_backward_compiled_matches_eager():
+    ref, ref_model = _train("cpu", "eager", _adamw)
+    got, model = _train("tpu", "fwd_bwd", _adamw)
+    _check_losses(got, ref)
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("make_opt", [_adamw, _sgd], ids=["adamw", "sgd"])
+def test_whole_training_step_compiled(make_opt):
+    """Forward, backward and optimizer.step() inside torch.compile: parameters are updated in place."""
+    ref, ref_model = _train("cpu", "eager", make_opt)
+    torchtpu.metrics.reset()
+    got, model = _train("tpu", "step", make_opt)
+    _check_losses(got, ref)
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5, msg=n)
+    snap = torchtpu.metrics.snapshot()
+    assert snap["cache_misses"]["compiled graph"] >= 2  # forward/backward and optimizer graphs
+    assert not snap["cpu_fallbacks"], snap["cpu_fallbacks"]
+
+
+# ---------------------------------------------------------------- graph breaks, fallback
+def test_graph_break_is_correct(capsys):
+    def f(x):
+        y = x.sin() * 2
+        s = y.sum().item()  # host read: graph break
+        print("mid", round(s, 3))
+        z = y + s
+        if s > 0:  # data-dependent control flow on the host value
+            z = z * 3
+        return z.cos()
+
+    cf = torch.compile(f, backend="tpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchtpu.TPUFallbackWarning)  # every piece is lowered
+        for seed in (0, 3):
+            torch.manual_seed(seed)
+            x = torch.randn(6)
+            torch.testing.assert_close(cf(x.to("tpu")).cpu(), f(x), rtol=1e-5, atol=1e-6)
+    assert "mid" in capsys.readouterr().out
+
+
+def test_random_op_in_graph_gets_a_fresh_key_per_call():
+    def f(x):
+        return torch.nn.functional.dropout(x, p=0.5, training=True)
+
+    cf = torch.compile(f, backend="tpu")
+    x = torch.ones(4096).to("tpu")
+    a, b = cf(x).cpu(), cf(x).cpu()
+    for r in (a, b):
+        assert set(r.unique().tolist()) <= {0.0, 2.0}
+        assert 0.4 < (r == 0).float().mean().item() < 0.6
+    assert not torch.equal(a, b)  # the key is a runtime input, not baked into the executable
+    torch.manual_seed(7)
+    c = cf(x).cpu()
+    torch.manual_seed(7)
+    assert torch.equal(cf(x).cpu(), c)  # reproducible under torch.manual_seed
+
+
+def test_op_without_lowering_warns_once_and_is_correct():
+    def f(x):
+        return torch.special.bessel_j0(x * 2) + x
+
+    x = torch.randn(5)
+    cf = torch.compile(f, backend="tpu")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        a = cf(x.to("tpu"))
+        b = cf((x + 1).to("tpu"))
+    torch.testing.assert_close(a.cpu(), f(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b.cpu(), f(x + 1), rtol=1e-5, atol=1e-6)
+    mine = [w for w in rec if "torchtpu compile" in str(w.message)]
+    assert len(mine) == 1 and "special_bessel_j0" in str(mine[0].message), [str(w.message) for w in rec]
+
+
+def test_op_without_lowering_raises_when_fallback_off():
+    torchtpu.set_cpu_fallback(False)
+
+    def f(x):
+        return torch.special.bessel_j0(x) + 1
+
+    with pytest.raises(Exception, match="special_bessel_j0.*CPU fallback is off"):
+        torch.compile(f, backend="tpu")(torch.randn(3).to("tpu"))
+
+
+def test_compiled_module_state_dict_round_trips():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2)).to("tpu")
+    cm = torch.compile(m, backend="tpu")
+    x = torch.randn(3, 4).to("tpu")
+    out = cm(x)
+    sd = cm.state_dict()
+    assert all(k.startswith("_orig_mod.") for k in sd)
+    # into a fresh compiled module (same keys) and into a plain CPU module (inner keys)
+    m2 = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2)).to("tpu")
+    cm2 = torch.compile(m2, backend="tpu")
+    cm2.load_state_dict(sd)
+    torch.testing.assert_close(cm2(x).cpu(), out.cpu())
+    cpu = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    cpu.load_state_dict({k: v.cpu() for k, v in cm._orig_mod.state_dict().items()})
+    torch.testing.assert_close(cpu(x.cpu()), out.cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_dlrm_whole_step_compiled_matches_cpu():
+    """Embedding bags, advanced indexing (index / index_put in the backward) and SGD, all in graphs."""
+    from torchtpu.models import DLRMConfig, DLRMStyleMLP
+
+    torch.manual_seed(0)
+    base = DLRMStyleMLP(DLRMConfig())
+    dense, sparse, labels = base.make_batch(32, torch.Generator().manual_seed(1))
+
+    def train(device, compiled):
+        m = copy.deepcopy(base).to(device)
+        opt = _sgd(m.parameters())
+        batch = (dense.to(device), [s.to(device) for s in sparse], labels.to(device))
+
+        def step():
+            loss = m.loss(*batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss
+
+        run = torch.compile(step, backend="tpu") if compiled else step
+        return [run().item() for _ in range(STEPS)]
+
+    ref = train("cpu", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchtpu.TPUFallbackWarning)  # no graph ran eagerly
+        got = train("tpu", True)
+    _check_losses(got, ref)
