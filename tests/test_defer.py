@@ -210,7 +210,7 @@ def _run(program, mode):
                 if a.shape == b.shape:
                     ts.append(a * b - a)
             elif kind == "view":
-                v = [lambda t: t.t(), lambda t: t[1:], lambda t: t.reshape(-1) if t.is_contiguous() else t,
+                v = [lambda t: t.t() if t.dim() <= 2 else t.transpose(0, -1), lambda t: t[1:], lambda t: t.reshape(-1) if t.is_contiguous() else t,
                      lambda t: t.unsqueeze(0)][s[2]](a)
                 ts.append(v)
             elif kind == "inplace":

@@ -38,6 +38,13 @@ from .runtime import (  # noqa: E402
 _registry.register_all()
 _fallback.install()
 
+from . import serialization as _serialization  # noqa: E402
+
+_serialization.install()
+from . import serialization as _serialization  # noqa: E402
+
+_serialization.install()
+
 if os.environ.get("TORCHTPU_COMPILATION_CACHE_DIR"):
     enable_persistent_cache(os.environ["TORCHTPU_COMPILATION_CACHE_DIR"])
 

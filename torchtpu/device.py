@@ -3,10 +3,19 @@
 One ``tpu`` device per process (TorchTPU's model: one process per chip, chosen
 by the launcher); it maps to this process's first JAX device. Several JAX
 devices in one process are reached through JAX sharding, not device indices.
+
+torch 2.13's Python device guard (``torch._C._acc.DeviceGuard``) lets Python
+override ``type_`` only: it reports index 0 and a count of 1 and ignores
+``set_device(1)``, so ``tpu:1`` would silently be ``tpu:0``. Every place a
+device index can enter therefore checks it (``check_device``): the factories
+and copies (ops/core.py), ``torch.tpu.*``, and ``torch.accelerator.*``, whose
+C++ entry points (synchronize, set/exchange device, allocator stats) are
+routed here because the guard cannot answer them from Python.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import types
 
@@ -24,7 +33,7 @@ _INDEX_ERROR = (
 
 
 def check_device(device) -> None:
-    """Raise a clear error for a tpu device index other than 0."""
+    """Raise a clear error for a tpu device index other than 0 (``None`` and non-tpu devices pass)."""
     if device is None:
         return
     if isinstance(device, int):
@@ -36,6 +45,16 @@ def check_device(device) -> None:
         index = device.index
     if index is not None and index != 0:
         raise RuntimeError(_INDEX_ERROR.format(index=index))
+
+
+def _tpu_index(device) -> int:
+    """``check_device`` for ``torch.tpu.*`` arguments, which must name the tpu (or be an index)."""
+    if device is not None and not isinstance(device, int):
+        d = torch.device(device)
+        if d.type != "tpu":
+            raise ValueError(f"torchtpu: expected a tpu device, got {d}")
+    check_device(device)
+    return 0
 
 
 def jax_device():
@@ -59,6 +78,50 @@ class _Guard(torch._C._acc.DeviceGuard):
         return torch._C._autograd.DeviceType.PrivateUse1
 
 
+# ---------------------------------------------------------------- memory figures
+def memory_stats_nested() -> dict:
+    """Allocator statistics in the nested form torch's C++ allocators report."""
+    with storage.MEMORY.lock:
+        cur, peak, n = storage.MEMORY.allocated, storage.MEMORY.peak, storage.MEMORY.num_storages
+    res_cur, res_peak = cur, peak
+    try:  # TPU and GPU backends report what XLA's allocator holds; the CPU backend reports None
+        s = jax_device().memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without memory stats
+        s = None
+    if s:
+        res_cur = s.get("bytes_reserved", s.get("bytes_in_use", cur))
+        res_peak = s.get("peak_bytes_in_use", res_cur)
+    return {
+        "allocated_bytes": {"all": {"current": cur, "peak": peak}},
+        "reserved_bytes": {"all": {"current": res_cur, "peak": res_peak}},
+        "allocation": {"all": {"current": n}},
+    }
+
+
+def memory_info() -> tuple[int, int]:
+    """(free, total) bytes of the memory tpu buffers live in."""
+    try:
+        s = jax_device().memory_stats()
+    except Exception:  # noqa: BLE001
+        s = None
+    if s and "bytes_limit" in s:
+        return s["bytes_limit"] - s.get("bytes_in_use", 0), s["bytes_limit"]
+    # XLA's CPU backend keeps buffers in host memory
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def reset_peak() -> None:
+    with storage.MEMORY.lock:
+        storage.MEMORY.peak = storage.MEMORY.allocated
+
+
+def synchronize_all() -> None:
+    from . import runtime
+
+    runtime.synchronize()
+
+
 def _make_module():
     m = types.ModuleType("torch.tpu")
     m.__doc__ = "The tpu device module (provided by torchtpu)."
@@ -79,15 +142,11 @@ def _make_module():
         return 0
 
     def set_device(device) -> None:
-        check_device(device if not isinstance(device, str) or ":" in device else device)
-        if isinstance(device, int):
-            check_device(device)
+        _tpu_index(device)
 
     def synchronize(device=None) -> None:
-        check_device(device)
-        from . import runtime
-
-        runtime.synchronize()
+        _tpu_index(device)
+        synchronize_all()
 
     def manual_seed(seed: int) -> None:
         tpu_random.manual_seed(seed)
@@ -98,39 +157,62 @@ def _make_module():
     def seed() -> None:
         tpu_random.manual_seed(torch.initial_seed())
 
+    def seed_all() -> None:
+        seed()
+
     def initial_seed() -> int:
         return tpu_random.initial_seed()
 
     def get_rng_state(device="tpu"):
+        _tpu_index(device)
         s, c = tpu_random.get_state()
         return torch.tensor([s & 0x7FFFFFFFFFFFFFFF, c], dtype=torch.int64)
 
     def set_rng_state(new_state, device="tpu"):
+        _tpu_index(device)
         tpu_random.set_state((int(new_state[0]), int(new_state[1])))
 
     def memory_allocated(device=None) -> int:
-        check_device(device)
+        _tpu_index(device)
         return storage.MEMORY.allocated
 
     def max_memory_allocated(device=None) -> int:
-        check_device(device)
+        _tpu_index(device)
         return storage.MEMORY.peak
 
+    def memory_reserved(device=None) -> int:
+        _tpu_index(device)
+        return memory_stats_nested()["reserved_bytes"]["all"]["current"]
+
+    def max_memory_reserved(device=None) -> int:
+        _tpu_index(device)
+        return memory_stats_nested()["reserved_bytes"]["all"]["peak"]
+
     def reset_peak_memory_stats(device=None) -> None:
-        check_device(device)
-        with storage.MEMORY.lock:
-            storage.MEMORY.peak = storage.MEMORY.allocated
+        _tpu_index(device)
+        reset_peak()
 
     def memory_stats(device=None) -> dict:
-        check_device(device)
-        return {
-            "allocated_bytes.all.current": storage.MEMORY.allocated,
-            "allocated_bytes.all.peak": storage.MEMORY.peak,
+        _tpu_index(device)
+        nested = memory_stats_nested()
+        out = {
+            "allocated_bytes.all.current": nested["allocated_bytes"]["all"]["current"],
+            "allocated_bytes.all.peak": nested["allocated_bytes"]["all"]["peak"],
+            "reserved_bytes.all.current": nested["reserved_bytes"]["all"]["current"],
+            "reserved_bytes.all.peak": nested["reserved_bytes"]["all"]["peak"],
             "num_storages": storage.MEMORY.num_storages,
         }
+        return collections.OrderedDict(sorted(out.items()))
+
+    def mem_get_info(device=None) -> tuple[int, int]:
+        _tpu_index(device)
+        return memory_info()
+
+    def empty_cache() -> None:
+        """Nothing to release: a device buffer is freed by XLA when its last tensor dies."""
 
     def get_device_name(device=None) -> str:
-        check_device(device)
+        _tpu_index(device)
         d = jax_device()
         return f"{d.platform}:{d.device_kind}"
 
@@ -144,7 +226,7 @@ def _make_module():
         """Context manager selecting the tpu device (only index 0 exists)."""
 
         def __init__(self, device):
-            check_device(device)
+            _tpu_index(device)
 
         def __enter__(self):
             return self
@@ -153,12 +235,131 @@ def _make_module():
             return False
 
     for f in (is_available, is_initialized, _is_in_bad_fork, device_count, current_device, set_device,
-              synchronize, manual_seed, manual_seed_all, seed, initial_seed, get_rng_state, set_rng_state,
-              memory_allocated, max_memory_allocated, reset_peak_memory_stats, memory_stats,
-              get_device_name, get_amp_supported_dtype, is_bf16_supported):
+              synchronize, manual_seed, manual_seed_all, seed, seed_all, initial_seed, get_rng_state,
+              set_rng_state, memory_allocated, max_memory_allocated, memory_reserved, max_memory_reserved,
+              reset_peak_memory_stats, memory_stats, mem_get_info, empty_cache, get_device_name,
+              get_amp_supported_dtype, is_bf16_supported):
         setattr(m, f.__name__, f)
     m.device = device
     return m
+
+
+# ---------------------------------------------------------------- torch.accelerator
+def _install_accelerator() -> None:
+    """Route torch.accelerator's C++ entry points for the tpu to this module.
+
+    ``torch.accelerator.synchronize`` and the allocator statistics end in the
+    device guard / a C++ DeviceAllocator, neither of which a Python backend can
+    provide in torch 2.13 ("Backend doesn't support synchronizing all streams",
+    an internal assert for the allocator). The Python wrappers in
+    ``torch.accelerator`` all call these ``torch._C`` functions, so wrapping
+    them covers every public spelling (``device_index``, deprecated aliases).
+    """
+    C = torch._C
+
+    def ours() -> bool:
+        acc = C._accelerator_getAccelerator()
+        return acc is not None and acc.type == "tpu"
+
+    def wrap(name, fn):
+        orig = getattr(C, name)
+
+        def wrapper(*args):
+            if ours():
+                return fn(*args)
+            return orig(*args)
+
+        wrapper.__name__ = name
+        wrapper.__wrapped__ = orig
+        setattr(C, name, wrapper)
+
+    def index(i):
+        check_device(None if i is None or i < 0 else i)
+        return 0
+
+    def sync(i=-1):
+        index(i)
+        synchronize_all()
+
+    def set_index(i):
+        index(i)
+
+    def exchange(i):
+        index(i)
+        return 0
+
+    def stats(i=-1):
+        index(i)
+        return memory_stats_nested()
+
+    def reset_peak_stats(i=-1):
+        index(i)
+        reset_peak()
+
+    def reset_accumulated(i=-1):
+        index(i)
+
+    def info(i=-1):
+        index(i)
+        return memory_info()
+
+    wrap("_accelerator_synchronizeDevice", sync)
+    wrap("_accelerator_setDeviceIndex", set_index)
+    wrap("_accelerator_exchangeDevice", exchange)
+    wrap("_accelerator_maybeExchangeDevice", exchange)
+    wrap("_accelerator_isAllocatorInitialized", lambda: True)
+    wrap("_accelerator_getDeviceStats", stats)
+    wrap("_accelerator_resetPeakStats", reset_peak_stats)
+    wrap("_accelerator_resetAccumulatedStats", reset_accumulated)
+    wrap("_accelerator_emptyCache", lambda: None)
+    wrap("_accelerator_getMemoryInfo", info)
+
+
+# ---------------------------------------------------------------- kernels that are about the device, not an op
+_LIBS: list = []
+
+
+def _pin_memory(self, device=None):
+    """``pin_memory()`` of a CPU tensor when the accelerator is tpu.
+
+    torch asks the PrivateUse1 hooks for a pinned host allocator, which a Python
+    backend cannot provide in torch 2.13 (NotImplementedError, e.g. from
+    ``DataLoader(pin_memory=True)``). Host->tpu transfers go through JAX, which
+    stages host buffers itself, so page-locking gains nothing: return the copy
+    ``pin_memory`` promises, in ordinary memory (``is_pinned()`` stays False).
+    """
+    if device is not None and torch.device(device).type != "tpu":
+        raise RuntimeError(
+            f"torchtpu: cannot pin memory for device {torch.device(device)}: this process's accelerator is tpu"
+        )
+    check_device(device)
+    return self.clone(memory_format=torch.preserve_format)
+
+
+def _quantized_error(*args, **kwargs):
+    dtype = kwargs.get("dtype")
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.is_quantized:
+            dtype = a.dtype
+        elif isinstance(a, torch.dtype) and dtype is None:
+            dtype = a
+    raise TypeError(
+        f"torchtpu: dtype {dtype if dtype is not None else 'quantized'} is not supported on tpu "
+        "(quantized tensors have no tpu kernels): call .dequantize() first, or keep the int values "
+        "in an integer tensor"
+    )
+
+
+def _install_kernels() -> None:
+    lib = torch.library.Library("aten", "IMPL")
+    # a CPU kernel takes precedence over _pin_memory's CompositeExplicitAutograd one, which fails here
+    lib.impl("_pin_memory", _pin_memory, "CPU")
+    # quantized tensors moved to (or made on) tpu dispatch to the QuantizedPrivateUse1 key, where torch
+    # otherwise answers with a long "could not run ... from the 'Quantizedtpu' backend" dump
+    for op in ("empty.memory_format", "empty_quantized", "_empty_affine_quantized",
+               "_empty_per_channel_affine_quantized", "empty_strided", "_to_copy", "copy_"):
+        lib.impl(op, _quantized_error, "QuantizedPrivateUse1")
+    _LIBS.append(lib)
 
 
 _registered = False
@@ -173,11 +374,13 @@ def register() -> None:
             f"torchtpu: PrivateUse1 is already taken by '{torch._C._get_privateuse1_backend_name()}'"
         )
     torch.utils.rename_privateuse1_backend("tpu")
-    torch.utils.generate_methods_for_privateuse1_backend(for_storage=False)
+    torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
     module = _make_module()
     torch._register_device_module("tpu", module)
     torch._C._acc.register_python_privateuseone_hook(_Hooks())
     torch._C._acc.register_python_privateuseone_device_guard(_Guard())
+    _install_accelerator()
+    _install_kernels()
     _registered = True
     seed = os.environ.get("TORCHTPU_SEED")
     tpu_random.manual_seed(int(seed) if seed else torch.initial_seed())

@@ -59,6 +59,7 @@ def is_supported(dtype: torch.dtype) -> bool:
 
 def cpu_tensor_to_numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy array with the exact jax dtype of ``t`` (no copy when possible)."""
+    to_jax(t.dtype)  # a clear error naming an unsupported dtype (complex32, ...), not numpy's
     t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
@@ -73,11 +74,11 @@ def cpu_tensor_to_numpy(t: torch.Tensor) -> np.ndarray:
 def numpy_to_torch(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     via = _BITCAST_VIA.get(dtype)
     if via is not None:
-        arr = np.ascontiguousarray(arr).view(via[1])
+        arr = np.ascontiguousarray(arr).reshape(arr.shape).view(via[1])  # ascontiguousarray makes 0-d 1-d
         return torch.from_numpy(arr.copy()).view(dtype)
     if not arr.flags.writeable:
         arr = arr.copy()
-    out = torch.from_numpy(np.ascontiguousarray(arr))
+    out = torch.from_numpy(np.ascontiguousarray(arr).reshape(arr.shape))
     if out.dtype != dtype:
         out = out.to(dtype)
     return out

@@ -41,8 +41,25 @@ def _to_cpu(x):
     return x
 
 
+def _check_same_device(args, kwargs):
+    """PyTorch's rule for device ops: one device per op, a 0-dim CPU tensor counts as a scalar.
+    Without it a CPU operand would be silently accepted here, since everything moves to CPU."""
+    tpu = cpu = None
+    for x in pytree.tree_leaves((args, kwargs)):
+        if isinstance(x, torch.Tensor):
+            if x.device.type == "tpu":
+                tpu = x.device
+            elif x.dim() > 0:
+                cpu = x.device
+    if tpu is not None and cpu is not None:
+        raise RuntimeError(
+            f"Expected all tensors to be on the same device, but found at least two devices, {tpu} and {cpu}!"
+        )
+
+
 def _fallback(op, *args, **kwargs):
     name = str(op._schema.name) + ("." + op._overloadname if op._overloadname != "default" else "")
+    _check_same_device(args, kwargs)
     if not _enabled:
         raise NotImplementedError(
             f"torchtpu: no tpu lowering for {name} and CPU fallback is off "

@@ -110,6 +110,8 @@ def _arg_kind(arg):
 def _freeze(v):
     if isinstance(v, list):
         return tuple(_freeze(x) for x in v)
+    if type(v) in (bool, int, float):
+        return (type(v), v)  # 3, 3.0 and True hash alike but give different dtypes
     return v
 
 

@@ -67,12 +67,18 @@ class StorageData:
     Under DeferAndFuse ``_buf`` may be a pending ``lazy.LazyBuf``; reading
     ``buf`` materializes it (a flush), so code outside the op path always sees
     a concrete array. Bytes are counted once a concrete buffer exists.
+
+    Storages are untyped bytes, as in PyTorch: ``dtype`` is the element type
+    the buffer is held in now, and a tensor of another dtype over the same
+    storage (a byte view made by torch's storage code: ``storage.copy_``,
+    ``torch.load``, ``UntypedStorage(n, device="tpu")``) reinterprets it.
     """
 
-    __slots__ = ("_buf", "nbytes", "counted", "__weakref__")
+    __slots__ = ("_buf", "nbytes", "counted", "dtype", "__weakref__")
 
-    def __init__(self, buf, nbytes):
+    def __init__(self, buf, nbytes, dtype):
         self.nbytes = nbytes
+        self.dtype = dtype
         self.counted = False
         self._buf = None
         self.buf = buf
@@ -95,6 +101,14 @@ class StorageData:
             self.counted = True
             MEMORY.add(self.nbytes)
 
+    def retype(self, dtype: torch.dtype) -> None:
+        """Hold the buffer as ``dtype`` elements: the same bytes, reinterpreted."""
+        b = self.buf
+        jd = np.dtype(dtypes.to_jax(dtype))
+        if b.dtype != jd:
+            self._buf = _bitcast_jit(np.dtype(b.dtype), jd, self.nbytes)(b)
+        self.dtype = dtype
+
     def __del__(self):
         try:
             if self.counted:
@@ -105,12 +119,60 @@ class StorageData:
 
 def storage_data(t: torch.Tensor) -> StorageData:
     try:
-        return t.untyped_storage()._tpu
+        sd = t.untyped_storage()._tpu
     except AttributeError:
         raise RuntimeError(
             "torchtpu: this tpu tensor has no device data attached (it was made by a path "
             "torchtpu does not know). Please report the op that produced it."
         ) from None
+    if sd.dtype is not t.dtype:
+        sd.retype(t.dtype)
+    return sd
+
+
+def _to_bytes(x):
+    """Flat uint8 bytes of ``x`` (traced)."""
+    x = x.reshape(-1)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint8)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1).reshape(-1)
+    return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(u8, jd, numel):
+    """``numel`` elements of dtype ``jd`` from flat bytes ``u8`` (zero-padded; traced)."""
+    jd = np.dtype(jd)
+    if jd == np.bool_:
+        return _fit(u8, numel) != 0
+    if jnp.issubdtype(jd, jnp.complexfloating):
+        part = np.dtype(np.float32 if jd == np.complex64 else np.float64)
+        ri = _from_bytes(u8, part, 2 * numel).reshape(numel, 2)
+        return lax.complex(ri[:, 0], ri[:, 1])
+    k = jd.itemsize
+    u8 = _fit(u8, numel * k)
+    if k == 1:
+        return lax.bitcast_convert_type(u8, jd)
+    return lax.bitcast_convert_type(u8.reshape(numel, k), jd)
+
+
+def _fit(x, n):
+    if x.shape[0] >= n:
+        return x[:n]
+    return jnp.concatenate([x, jnp.zeros((n - x.shape[0],), x.dtype)])
+
+
+_bitcast_cache: dict = {}
+
+
+def _bitcast_jit(src, dst, nbytes):
+    key = (src, dst, nbytes)
+    fn = _bitcast_cache.get(key)
+    if fn is None:
+        numel = -(-nbytes // dst.itemsize)
+        fn = jax.jit(lambda b: _from_bytes(_fit(_to_bytes(b), nbytes), dst, numel))
+        _bitcast_cache[key] = fn
+    return fn
 
 
 def is_tpu(t) -> bool:
@@ -151,9 +213,9 @@ def _fake_ptr(nbytes):
     return p
 
 
-def _new_storage(nbytes, buf):
+def _new_storage(nbytes, buf, dtype):
     s = _make_storage(_fake_ptr(nbytes), _DEV or _dev(), nbytes)
-    s._tpu = StorageData(buf, nbytes)
+    s._tpu = StorageData(buf, nbytes, dtype)
     return s
 
 
@@ -166,7 +228,7 @@ def new_tensor(size, dtype: torch.dtype, buf=None, stride=None) -> torch.Tensor:
     if buf is None:
         buf = _zeros_flat(numel, dtypes.to_jax(dtype))
     t = _create_empty(_EMPTY, dtype)
-    _set_storage(_CPU_KEYSET, t, _new_storage(numel * dtype.itemsize, buf), 0, size, stride)
+    _set_storage(_CPU_KEYSET, t, _new_storage(numel * dtype.itemsize, buf, dtype), 0, size, stride)
     return t
 
 
@@ -179,7 +241,7 @@ def replace_storage(t: torch.Tensor, size, buf) -> None:
     stride, numel = _contiguous(size)
     if buf is None:
         buf = _zeros_flat(numel, dtypes.to_jax(t.dtype))
-    _set_storage(_CPU_KEYSET, t, _new_storage(numel * t.dtype.itemsize, buf), 0, size, stride)
+    _set_storage(_CPU_KEYSET, t, _new_storage(numel * t.dtype.itemsize, buf, t.dtype), 0, size, stride)
 
 
 _contig_cache: dict = {}

@@ -1,0 +1,108 @@
+"""PyTorch's OpInfo database on tpu against CPU.
+
+* A fixed, fast subset of common ops runs its OpInfo sample inputs on tpu with the
+  CPU fallback OFF and must match CPU (float32, bfloat16, int64, bool where CPU
+  supports the dtype).
+* The committed report docs/op_coverage.md (written by tools/op_coverage.py) must
+  show at least 80% of the float32 OpInfo ops passing with no fallback, and no
+  wrong results; the test recounts the table so the summary cannot drift from it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import pytest
+import torch
+
+import torchtpu  # noqa: F401
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPORT = os.path.join(ROOT, "docs", "op_coverage.md")
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("op_coverage", os.path.join(ROOT, "tools", "op_coverage.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+cov = _load_tool()
+
+# Common ops across families: elementwise, reductions, shape, indexing, sorting.
+SUBSET = [
+    "add", "sub", "mul", "div.no_rounding_mode", "div.floor_rounding", "remainder", "pow", "abs", "neg",
+    "exp", "log", "sqrt", "rsqrt", "sigmoid", "tanh", "clamp", "where", "eq", "lt", "maximum",
+    "logical_and", "bitwise_xor", "masked_fill", "lerp", "addcmul",
+    "sum", "mean", "prod", "amax", "argmax", "max.reduction_with_dim", "min.reduction_no_dim",
+    "var", "std_mean", "logsumexp", "cumsum", "cummax", "linalg.vector_norm", "all", "any",
+    "count_nonzero", "median", "aminmax",
+    "cat", "stack", "flip", "roll", "repeat", "tril", "constant_pad_nd", "reshape", "permute", "narrow",
+    "index_select", "gather", "scatter", "scatter_add", "scatter_reduce.sum", "index_add", "index_put",
+    "__getitem__", "take", "masked_select", "nonzero", "unique", "sort", "topk", "searchsorted",
+    "nn.functional.embedding",
+]
+DTYPES = ["float32", "bfloat16", "int64", "bool"]
+MAX_SAMPLES = 2  # the full report runs 5; two keep this under a few minutes on 2 cores
+
+
+def _ops_by_name():
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return {cov._full_name(op): op for op in op_db}
+
+
+_OPS = _ops_by_name()
+# only the dtypes CPU supports for each op: those are what tpu must match
+CASES = [(n, d) for n in SUBSET if n in _OPS for d in DTYPES if getattr(torch, d) in _OPS[n].supported_dtypes("cpu")]
+
+
+@pytest.mark.parametrize("name,dtype", CASES)
+def test_opinfo_subset_matches_cpu(name, dtype):
+    status, reason = cov.classify(_OPS[name], getattr(torch, dtype), MAX_SAMPLES)
+    if status == "skip":
+        pytest.skip(reason)
+    assert status == "pass", f"{name} [{dtype}]: {status}: {reason}"
+
+
+def test_subset_names_exist():
+    missing = [n for n in SUBSET if n not in _OPS]
+    assert not missing, missing
+
+
+def _report():
+    if not os.path.exists(REPORT):
+        pytest.fail("docs/op_coverage.md is missing: run `python tools/op_coverage.py --out docs/op_coverage.md`")
+    with open(REPORT) as f:
+        return f.read()
+
+
+def test_coverage_report_float32_at_least_80_percent():
+    text = _report()
+    m = re.search(r"<!-- summary float32: supported=(\d+) pass=(\d+) fallback=(\d+) xfail=(\d+) wrong=(\d+) "
+                  r"pct=([\d.]+) -->", text)
+    assert m, "report has no float32 summary line"
+    supported, passed, fallback, xfail, wrong = (int(m.group(i)) for i in range(1, 6))
+    pct = float(m.group(6))
+    # recount from the table: the summary must agree with the rows
+    rows = re.findall(r"^\| `([^`]+)` \| float32 \| (\w+) \| (.*) \|$", text, flags=re.M)
+    counts = {s: sum(1 for r in rows if r[1] == s) for s in ("pass", "fallback", "xfail")}
+    assert counts["pass"] == passed and counts["fallback"] == fallback and counts["xfail"] == xfail
+    assert passed + fallback + xfail == supported
+    assert abs(100.0 * passed / supported - pct) < 0.01
+    # every float32 entry of the OpInfo database that CPU supports is in the table
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    want = {cov._full_name(op) for op in op_db if torch.float32 in op.supported_dtypes("cpu")}
+    listed = set(re.findall(r"^\| `([^`]+)` \| float32 \| ", text, flags=re.M))
+    assert want <= listed, f"OpInfo entries missing from the report: {sorted(want - listed)[:20]}"
+    assert pct >= 80.0, f"only {pct:.1f}% of float32 OpInfo ops pass on tpu without fallback"
+
+
+def test_coverage_report_has_no_wrong_results():
+    text = _report()
+    wrong = re.findall(r"^\| `([^`]+)` \| (\w+) \| xfail \| WRONG RESULT", text, flags=re.M)
+    assert not wrong, f"ops giving results that differ from CPU: {wrong}"

@@ -1,0 +1,319 @@
+"""Small reference models used by the tests, the quickstart, the benchmarks and
+later packages (``torchtpu_rl`` reuses :class:`TinyTransformer` as a policy).
+
+Plain PyTorch: nothing here knows about ``tpu``. A model is built (usually on
+CPU, so the same initial weights can be compared across devices) and moved with
+``.to(device)``.
+
+- :class:`TinyTransformer`: a decoder-only language model with the Hugging Face
+  call shape ``forward(input_ids, attention_mask=None) -> logits``.
+- :class:`DLRMStyleMLP`: dense features through a bottom MLP, pooled sparse
+  embedding bags, pairwise dot interaction, top MLP, one logit per sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "TransformerConfig",
+    "TinyTransformer",
+    "DLRMConfig",
+    "DLRMStyleMLP",
+]
+
+
+# ============================================================== transformer
+@dataclasses.dataclass
+class TransformerConfig:
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    max_seq_len: int = 32
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    norm: str = "layernorm"  # "layernorm" | "rmsnorm"
+    activation: str = "gelu"  # "gelu" | "silu"
+    positions: str = "rope"  # "rope" | "learned"
+    tie_embeddings: bool = True
+    rope_base: float = 10000.0
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.positions == "rope" and (self.d_model // self.n_heads) % 2:
+            raise ValueError("RoPE needs an even head dimension")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', not {self.norm!r}")
+        if self.activation not in ("gelu", "silu"):
+            raise ValueError(f"activation must be 'gelu' or 'silu', not {self.activation!r}")
+        if self.positions not in ("rope", "learned"):
+            raise ValueError(f"positions must be 'rope' or 'learned', not {self.positions!r}")
+
+
+def _norm(cfg: TransformerConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=1e-6)
+    return nn.LayerNorm(cfg.d_model)
+
+
+def _rope_tables(head_dim: int, max_len: int, base: float):
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    t = torch.arange(max_len, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # (T, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (T, hd): the "rotate half" pairing
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """Rotary embedding of ``x`` (B, H, T, hd) with ``cos``/``sin`` broadcastable to it."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.dropout = cfg.dropout
+
+    def forward(self, x, cos=None, sin=None, attn_mask=None):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        if cos is not None:
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+        p = self.dropout if self.training else 0.0
+        if attn_mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        hidden = cfg.mlp_ratio * cfg.d_model
+        self.fc = nn.Linear(cfg.d_model, hidden)
+        self.out = nn.Linear(hidden, cfg.d_model)
+        self.act = nn.GELU() if cfg.activation == "gelu" else nn.SiLU()
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.drop(self.out(self.act(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.ln1 = _norm(cfg)
+        self.attn = Attention(cfg)
+        self.ln2 = _norm(cfg)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, cos=None, sin=None, attn_mask=None):
+        x = x + self.drop(self.attn(self.ln1(x), cos, sin, attn_mask))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyTransformer(nn.Module):
+    """Decoder-only transformer LM (pre-norm), Hugging Face call shape.
+
+    ``forward(input_ids, attention_mask=None, position_ids=None) -> logits``
+    of shape (B, T, vocab). ``attention_mask`` (B, T) is 1 for real tokens and
+    0 for padding (left or right); positions then count real tokens only, as
+    Hugging Face's generate does, so a left-padded prompt sees the same
+    positions as an unpadded one.
+    """
+
+    def __init__(self, cfg: Optional[TransformerConfig] = None, **overrides):
+        super().__init__()
+        if cfg is None:
+            cfg = TransformerConfig(**overrides)
+        elif overrides:
+            cfg = dataclasses.replace(cfg, **overrides)
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if cfg.positions == "learned":
+            self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        else:
+            cos, sin = _rope_tables(cfg.d_model // cfg.n_heads, cfg.max_seq_len, cfg.rope_base)
+            # not persistent: derived from the config, so state_dicts stay weights-only
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
+        self.ln_f = _norm(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        # GPT-2's scaled init of residual projections keeps the residual stream's scale with depth
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.out.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    def _apply(self, fn, *args, **kwargs):
+        # Module.to() between devices whose tensors torch cannot shallow-copy into each
+        # other (cpu <-> a PrivateUse1 device such as tpu) makes a new Parameter per
+        # module, which unties shared weights; tie them again (as Hugging Face's
+        # tie_weights() does after a device move)
+        super()._apply(fn, *args, **kwargs)
+        if self.config.tie_embeddings and self.lm_head.weight is not self.tok_emb.weight:
+            self.lm_head.weight = self.tok_emb.weight
+        return self
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        B, T = input_ids.shape
+        if T > self.config.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.config.max_seq_len}")
+        if position_ids is None and attention_mask is not None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        x = self.tok_emb(input_ids)
+        cos = sin = None
+        if self.config.positions == "learned":
+            if position_ids is None:
+                x = x + self.pos_emb.weight[:T]
+            else:
+                x = x + self.pos_emb(position_ids)
+        else:
+            if position_ids is None:
+                cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, hd), broadcast over (B, H)
+            else:
+                cos = self.rope_cos[position_ids].unsqueeze(1)  # (B, 1, T, hd)
+                sin = self.rope_sin[position_ids].unsqueeze(1)
+        x = self.drop(x)
+        attn_mask = None
+        if attention_mask is not None:
+            attn_mask = self._attention_bias(attention_mask.bool(), T, x.device)
+        for block in self.blocks:
+            x = block(x, cos, sin, attn_mask)
+        return self.lm_head(self.ln_f(x))
+
+    @staticmethod
+    def _attention_bias(key_mask, T, device):
+        """(B, 1, T, T) boolean mask: causal and not padding. Every query may see
+        itself, so a padding row never has all keys masked (which gives NaN)."""
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        eye = torch.eye(T, dtype=torch.bool, device=device)
+        return ((causal & key_mask[:, None, None, :]) | eye).contiguous()
+
+    def loss(self, input_ids, targets, attention_mask=None, ignore_index: int = -100):
+        """Mean next-token cross entropy of ``forward(input_ids)`` against ``targets`` (B, T)."""
+        logits = self(input_ids, attention_mask)
+        return F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=ignore_index
+        )
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+# ============================================================== DLRM-style model
+@dataclasses.dataclass
+class DLRMConfig:
+    num_dense: int = 8
+    embedding_dim: int = 16
+    table_sizes: Sequence[int] = (100, 50, 20)
+    bag_size: int = 3  # ids per sample per sparse feature (fixed: a dense (B, L) id tensor)
+    bottom_mlp: Sequence[int] = (32, 16)  # the last must equal embedding_dim
+    top_mlp: Sequence[int] = (32, 16)
+    pooling: str = "sum"  # EmbeddingBag mode
+
+    def __post_init__(self):
+        if self.bottom_mlp[-1] != self.embedding_dim:
+            raise ValueError("the bottom MLP's last width must equal embedding_dim (dot interaction)")
+
+
+def _mlp(widths, in_dim):
+    layers = []
+    for w in widths:
+        layers += [nn.Linear(in_dim, w), nn.ReLU()]
+        in_dim = w
+    return nn.Sequential(*layers), in_dim
+
+
+class DLRMStyleMLP(nn.Module):
+    """DLRM in miniature: ``forward(dense, sparse) -> logits`` (B,).
+
+    ``dense`` is (B, num_dense) float; ``sparse`` is a list with one (B, bag_size)
+    int64 id tensor per table. Each id bag is sum-pooled by an ``nn.EmbeddingBag``;
+    the pooled vectors and the bottom MLP's output interact by pairwise dot
+    products (upper triangle), which are concatenated with the bottom output and
+    fed to the top MLP.
+    """
+
+    def __init__(self, cfg: Optional[DLRMConfig] = None, **overrides):
+        super().__init__()
+        if cfg is None:
+            cfg = DLRMConfig(**overrides)
+        elif overrides:
+            cfg = dataclasses.replace(cfg, **overrides)
+        self.config = cfg
+        self.bottom, _ = _mlp(cfg.bottom_mlp, cfg.num_dense)
+        self.tables = nn.ModuleList(
+            [nn.EmbeddingBag(n, cfg.embedding_dim, mode=cfg.pooling) for n in cfg.table_sizes]
+        )
+        n_vec = 1 + len(cfg.table_sizes)
+        li, lj = torch.triu_indices(n_vec, n_vec, offset=1)
+        self.register_buffer("_li", li, persistent=False)
+        self.register_buffer("_lj", lj, persistent=False)
+        n_inter = n_vec * (n_vec - 1) // 2
+        top, width = _mlp(cfg.top_mlp, cfg.embedding_dim + n_inter)
+        self.top = nn.Sequential(*top, nn.Linear(width, 1))
+        for t in self.tables:
+            nn.init.uniform_(t.weight, -1.0 / math.sqrt(t.num_embeddings), 1.0 / math.sqrt(t.num_embeddings))
+
+    def forward(self, dense, sparse):
+        x = self.bottom(dense)  # (B, D)
+        pooled = [table(ids) for table, ids in zip(self.tables, sparse)]  # each (B, D)
+        z = torch.stack([x] + pooled, dim=1)  # (B, F, D)
+        inter = torch.bmm(z, z.transpose(1, 2))  # (B, F, F)
+        flat = inter[:, self._li, self._lj]  # (B, F*(F-1)/2)
+        return self.top(torch.cat([x, flat], dim=1)).squeeze(-1)
+
+    def loss(self, dense, sparse, labels):
+        return F.binary_cross_entropy_with_logits(self(dense, sparse), labels)
+
+    def make_batch(self, batch_size: int, generator: Optional[torch.Generator] = None, device=None):
+        """A synthetic, learnable batch: the label is a fixed function of the dense
+        features and of the parity of the first sparse id, so the loss can fall."""
+        cfg = self.config
+        dense = torch.randn(batch_size, cfg.num_dense, generator=generator)
+        sparse = [torch.randint(0, n, (batch_size, cfg.bag_size), generator=generator) for n in cfg.table_sizes]
+        score = dense[:, 0] - 0.5 * dense[:, 1] + (sparse[0][:, 0] % 2).float() - 0.5
+        labels = (score > 0).float()
+        if device is not None:
+            dense = dense.to(device)
+            sparse = [s.to(device) for s in sparse]
+            labels = labels.to(device)
+        return dense, sparse, labels
