@@ -234,3 +234,48 @@ def test_random_programs_give_identical_results_in_both_modes(program):
     assert len(strict) == len(deferred)
     for a, b in zip(strict, deferred):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("model_name", ["transformer", "dlrm"])
+def test_training_matches_cpu_under_defer_and_fuse(model_name):
+    import copy
+
+    from torchtpu.models import DLRMStyleMLP, TinyTransformer
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if model_name == "transformer":
+        cpu_model = TinyTransformer(d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
+        ids = torch.randint(0, 256, (4, 17), generator=g)
+        batch = (ids[:, :-1], ids[:, 1:])
+    else:
+        cpu_model = DLRMStyleMLP()
+        batch = cpu_model.make_batch(16, generator=g)
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+
+    def to_tpu(x):
+        return [to_tpu(v) for v in x] if isinstance(x, (list, tuple)) else x.to("tpu")
+
+    tpu_batch = to_tpu(batch)
+    losses = {}
+    for name, model, data in (("cpu", cpu_model, batch), ("tpu", tpu_model, tpu_batch)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        out = []
+        with torchtpu.execution_mode("defer_and_fuse") if name == "tpu" else _nullcontext():
+            for _ in range(6):
+                loss = model.loss(*data)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                out.append(loss.item())
+        losses[name] = out
+    torch.testing.assert_close(torch.tensor(losses["tpu"]), torch.tensor(losses["cpu"]), rtol=1e-4, atol=1e-5)
+    assert losses["tpu"][-1] < losses["tpu"][0]
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

@@ -106,3 +106,15 @@ def test_coverage_report_has_no_wrong_results():
     text = _report()
     wrong = re.findall(r"^\| `([^`]+)` \| (\w+) \| xfail \| WRONG RESULT", text, flags=re.M)
     assert not wrong, f"ops giving results that differ from CPU: {wrong}"
+
+
+DEFER_CASES = [(n, "float32") for n in SUBSET if n in _OPS and torch.float32 in _OPS[n].supported_dtypes("cpu")]
+
+
+@pytest.mark.parametrize("name,dtype", DEFER_CASES)
+def test_opinfo_subset_matches_cpu_under_defer_and_fuse(name, dtype):
+    with torchtpu.execution_mode("defer_and_fuse"):
+        status, reason = cov.classify(_OPS[name], getattr(torch, dtype), MAX_SAMPLES)
+    if status == "skip":
+        pytest.skip(reason)
+    assert status == "pass", f"{name} [{dtype}] under defer_and_fuse: {status}: {reason}"

@@ -366,18 +366,65 @@ def test_adaptive_avg_pool2d(size):
     check(lambda x: F.adaptive_avg_pool2d(x, size), R(2, 3, 8, 7), expect=ops)
 
 
+POOLS_ND = {
+    "max_pool1d": (lambda x: F.max_pool1d(x, 3, 2, 1, ceil_mode=True), (2, 3, 10), []),
+    "avg_pool1d": (lambda x: F.avg_pool1d(x, 3, 2, 1, count_include_pad=False), (2, 3, 10), []),
+    "max_pool3d": (lambda x: F.max_pool3d(x, 2, padding=1, dilation=(1, 2, 1)), (1, 2, 5, 6, 4),
+                   ["max_pool3d_with_indices.default", "max_pool3d_with_indices_backward.default"]),
+    "avg_pool3d": (lambda x: F.avg_pool3d(x, 3, 2, 1, ceil_mode=True), (1, 2, 5, 6, 4),
+                   ["avg_pool3d.default", "avg_pool3d_backward.default"]),
+    "adaptive_avg_pool3d": (lambda x: F.adaptive_avg_pool3d(x, (2, 4, 3)), (1, 2, 5, 6, 4),
+                            ["_adaptive_avg_pool3d.default", "_adaptive_avg_pool3d_backward.default"]),
+    "adaptive_avg_pool1d": (lambda x: F.adaptive_avg_pool1d(x, 4), (2, 3, 9), []),
+    "adaptive_max_pool2d": (lambda x: F.adaptive_max_pool2d(x, (3, 4), return_indices=True), (2, 3, 9, 7),
+                            ["adaptive_max_pool2d.default", "adaptive_max_pool2d_backward.default"]),
+    "adaptive_max_pool1d": (lambda x: F.adaptive_max_pool1d(x, 4), (2, 3, 9), []),
+    "adaptive_max_pool3d": (lambda x: F.adaptive_max_pool3d(x, 2), (1, 2, 5, 3, 4),
+                            ["adaptive_max_pool3d.default", "adaptive_max_pool3d_backward.default"]),
+    "reflection_pad2d": (lambda x: F.pad(x, (1, 2, 2, 1), mode="reflect"), (2, 3, 5, 4),
+                         ["reflection_pad2d.default", "reflection_pad2d_backward.default"]),
+    "replication_pad2d": (lambda x: F.pad(x, (1, 2, 2, 0), mode="replicate"), (2, 3, 5, 4),
+                          ["replication_pad2d.default", "replication_pad2d_backward.default"]),
+    "replication_pad1d": (lambda x: F.pad(x, (3, 1), mode="replicate"), (2, 3, 5), []),
+    "reflection_pad3d": (lambda x: F.pad(x, (1, 1, 2, 0, 1, 2), mode="reflect"), (1, 2, 3, 4, 5), []),
+}
+
+
+@pytest.mark.parametrize("name", list(POOLS_ND))
+def test_pooling_and_padding_nd(name):
+    fn, shape, ops = POOLS_ND[name]
+    check(fn, R(*shape), expect=ops)
+
+
 @pytest.mark.parametrize("kw", [
     dict(scale_factor=2, mode="nearest"),
     dict(size=(7, 5), mode="nearest"),
     dict(size=(7, 5), mode="nearest-exact"),
+    dict(scale_factor=1.7, mode="nearest"),
     dict(scale_factor=2, mode="bilinear"),
     dict(size=(9, 4), mode="bilinear", align_corners=True),
     dict(size=(3, 11), mode="bilinear", align_corners=False),
-    dict(scale_factor=1.7, mode="nearest"),
     dict(scale_factor=(0.6, 1.3), mode="bilinear"),
+    dict(size=(8, 4), mode="bicubic"),
+    dict(size=(11, 9), mode="bicubic", align_corners=True),
 ])
-def test_interpolate(kw):
-    check(lambda x: F.interpolate(x, **kw), R(2, 3, 5, 6))
+def test_interpolate_2d(kw):
+    check(lambda x: F.interpolate(x, **kw), R(2, 3, 5, 6), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(scale_factor=3, mode="nearest"),
+    dict(size=7, mode="nearest-exact"),
+    dict(size=9, mode="linear"),
+    dict(size=4, mode="linear", align_corners=True),
+])
+def test_interpolate_1d(kw):
+    check(lambda x: F.interpolate(x, **kw), R(2, 3, 6))
+
+
+@pytest.mark.parametrize("kw", [dict(size=(3, 5, 4), mode="nearest"), dict(scale_factor=1.5, mode="trilinear")])
+def test_interpolate_3d(kw):
+    check(lambda x: F.interpolate(x, **kw), R(1, 2, 4, 3, 5), atol=1e-5, rtol=1e-4)
 
 
 def test_safe_softmax_rows_of_minus_inf_give_zero():
@@ -402,6 +449,52 @@ def test_bfloat16_forward_backward(name):
     fn, shapes = BF16[name]
     out = check(fn, *[R(*s).bfloat16() for s in shapes], atol=2e-2, rtol=2e-2)
     assert _leaves(out)[0].dtype == torch.bfloat16
+
+
+# ================================================================ recurrent, distances
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_rnn_fused_cells(kind):
+    """nn.LSTM / nn.GRU off the CPU run ATen's fused cells (no CPU kernel: compared
+    with the CPU's own, unfused cell math)."""
+    torch.manual_seed(0)
+    rnn_c = getattr(torch.nn, kind)(4, 6, num_layers=2)
+    rnn_t = copy.deepcopy(rnn_c).to(TPU)
+    x = R(5, 3, 4)
+    xc, xt = x.clone().requires_grad_(), x.to(TPU).requires_grad_()
+    out_c = rnn_c(xc)[0]
+    log = _OpLog()
+    with no_fallback(), log:
+        out_t = rnn_t(xt)[0]
+    torch.testing.assert_close(out_t.cpu(), out_c, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(out_c)
+    params_c, params_t = list(rnn_c.parameters()), list(rnn_t.parameters())
+    gc = torch.autograd.grad(out_c, [xc] + params_c, g)
+    with no_fallback(), log:
+        gt = torch.autograd.grad(out_t, [xt] + params_t, g.to(TPU))
+    for a, b in zip(gt, gc):
+        torch.testing.assert_close(a.cpu(), b, atol=1e-5, rtol=1e-4)
+    op = "_thnn_fused_lstm_cell.default" if kind == "LSTM" else "_thnn_fused_gru_cell.default"
+    assert op in log.ops, sorted(log.ops)
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, 3.0, float("inf")])
+def test_cdist(p):
+    x1, x2 = R(2, 5, 3), R(2, 4, 3)
+    x2[0, 1] = x1[0, 2]  # a zero distance: its gradient is 0, not NaN
+    check(lambda a, b: torch.cdist(a, b, p), x1, x2, expect=["_cdist_forward.default", "_cdist_backward.default"])
+    check(lambda a, b: torch.cdist(a, b, compute_mode="use_mm_for_euclid_dist"), R(30, 3), R(4, 3), atol=1e-4,
+          rtol=1e-4)
+
+
+def test_embedding_max_norm_renormalizes_rows_in_place():
+    w = R(6, 3) * 3
+    idx = torch.tensor([1, 4, 4])
+    wt = w.to(TPU)
+    out_c = F.embedding(idx, w, max_norm=1.0)
+    with no_fallback():
+        out_t = F.embedding(idx.to(TPU), wt, max_norm=1.0)
+    torch.testing.assert_close(out_t.cpu(), out_c)
+    torch.testing.assert_close(wt.cpu(), w, atol=1e-6, rtol=1e-6)  # rows 1 and 4 renormalized in place
 
 
 # ================================================================ dropout

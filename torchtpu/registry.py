@@ -88,7 +88,7 @@ def op_from_name(qual):
 
 
 # ---------------------------------------------------------------- argument kinds
-_T, _OT, _TL, _OTL, _SCALAR, _STATIC = range(6)
+_T, _OT, _TL, _OTL, _SCALAR, _STATIC, _SCALARS = range(7)
 
 
 def _arg_kind(arg):
@@ -104,6 +104,8 @@ def _arg_kind(arg):
         return _OTL
     if s in ("number", "Optional[number]"):
         return _SCALAR
+    if s == "List[number]":
+        return _SCALARS  # e.g. the optimizers' per-parameter bias corrections: traced, not baked in
     return _STATIC
 
 
@@ -157,7 +159,7 @@ class Kernel:
         self.defaults = [a.default_value if a.has_default_value() else _NoDefault for a in self.args]
         kinds = [_arg_kind(a) for a in self.args]
         for i, a in enumerate(self.args):
-            if kinds[i] == _SCALAR and a.name in lowering.static:
+            if kinds[i] in (_SCALAR, _SCALARS) and a.name in lowering.static:
                 kinds[i] = _STATIC
         self.kinds = tuple(kinds)
         self.kind_items = tuple(enumerate(self.kinds))
@@ -203,6 +205,9 @@ class Kernel:
                     dyn.append(_scalar_array(v))
             elif kind == _OT:
                 append_key(None if v is None else tkey(v, bufs, dyn))
+            elif kind == _SCALARS:
+                append_key(tuple(type(x) for x in v))
+                dyn.extend(_scalar_array(x) for x in v)
             else:  # tensor lists
                 append_key(tuple([None if x is None else tkey(x, bufs, dyn) for x in v]))
         if self.lowering.random:
@@ -342,6 +347,8 @@ class Kernel:
                     args.append([None if x is None else read_tensor(x) for x in k])
                 elif kind == _SCALAR:
                     args.append(None if k is None else next(di))
+                elif kind == _SCALARS:
+                    args.append([next(di) for _ in k])
                 else:
                     args.append(statics[i])
             kw = {}
@@ -454,6 +461,8 @@ def _avals_of(vals, key, kinds, random=False):
             dyn.extend(x.item() if isinstance(x, torch.Tensor) else x for x, kk in zip(v, k) if kk is not None and kk[0] in _NOBUF)
         elif kind == _SCALAR and v is not None:
             dyn.append(v)
+        elif kind == _SCALARS:
+            dyn.extend(v)
     if random:
         dyn.append(jax.ShapeDtypeStruct((2,), jnp.uint32))
     return bufs + dyn

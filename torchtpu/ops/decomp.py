@@ -6,18 +6,29 @@ has a decomposition for it, running that decomposition on the tpu tensors keeps
 the work on the device: its sub-ops dispatch to our lowerings (or, failing
 that, to their own decompositions or the fallback).
 
-``register_decompositions()`` runs once, after every lowering and hand-written
-kernel is registered, so it never shadows them. It skips:
+``register_decompositions()`` runs once, at the end of ``registry.register_all()``,
+after every lowering and hand-written kernel is registered, so it never shadows
+them. It skips:
 
 * ops that already have a tpu kernel;
 * CompositeImplicitAutograd ops (they decompose before reaching the device);
 * ops whose CompositeExplicitAutograd C++ kernel already serves the tpu key by
-  calling other aten ops (their sub-ops reach our lowerings already);
-* ``out=`` overloads (the registry derives them from the functional kernel).
+  calling other aten ops (their sub-ops reach our lowerings already), unless it
+  only forwards to a CPU-only ``out=`` kernel (linspace, eye);
+* views (their results must alias) and ``out=`` overloads (the registry derives
+  those from the functional kernel);
+* the decompositions listed in ``EXCLUDED``.
+
+A decomposition whose outputs disagree in shape or dtype with PyTorch's meta
+kernel for some call signature is not used for that signature (the CPU
+fallback runs it instead); one that re-enters its own op (prims-based refs)
+falls back for that call.
 
 In-place forms of ops that gained a decomposition kernel are derived here as
 "run the functional op, copy the result into ``self``", with PyTorch's
-casting and shape checks.
+casting and shape checks. Before all that, the registry's own in-place and
+``out=`` derivation is completed over every aten op (``dir(torch.ops.aten)``
+lists only the packets loaded so far).
 """
 
 from __future__ import annotations

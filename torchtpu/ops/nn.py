@@ -847,7 +847,7 @@ def _convolution_backward_overrideable(grad_out, x, w, stride, padding, dilation
 
 
 # ================================================================ pooling
-def _pair(v, n=2):
+def _tuple(v, n):
     v = list(v) if isinstance(v, (list, tuple)) else [v]
     return v * n if len(v) == 1 else v
 
@@ -862,228 +862,352 @@ def _pool_out_size(size, k, s, p, d, ceil_mode):
     return out
 
 
-def _pool_geometry(x, kernel_size, stride, padding, dilation, ceil_mode):
-    nd = 2
-    k = _pair(kernel_size, nd)
-    s = _pair(stride, nd) if stride else k
-    p = _pair(padding, nd)
-    d = _pair(dilation, nd)
+def _pool_geometry(x, nd, kernel_size, stride, padding, dilation, ceil_mode):
+    k = _tuple(kernel_size, nd)
+    s = _tuple(stride, nd) if stride else k
+    p = _tuple(padding, nd)
+    d = _tuple(dilation, nd)
     sizes = x.shape[-nd:]
     outs = [_pool_out_size(sizes[i], k[i], s[i], p[i], d[i], ceil_mode) for i in range(nd)]
     return k, s, p, d, outs
 
 
-def _window_positions(out, k, s, p, d):
-    """(out, k) input positions of each window element (may fall outside)."""
-    return np.arange(out)[:, None] * s - p + np.arange(k)[None, :] * d
+def _gather_windows(x, positions, valids):
+    """Windows of the trailing len(positions) axes of ``x``.
 
-
-@lower("max_pool2d_with_indices")
-def _max_pool2d(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-    k, s, p, d, (oh, ow) = _pool_geometry(x, kernel_size, stride, padding, dilation, ceil_mode)
-    H, W = x.shape[-2:]
-    ph = _window_positions(oh, k[0], s[0], p[0], d[0])  # (oh, kh)
-    pw = _window_positions(ow, k[1], s[1], p[1], d[1])  # (ow, kw)
-    vh = (ph >= 0) & (ph < H)
-    vw = (pw >= 0) & (pw < W)
-    hi = np.clip(ph, 0, H - 1)
-    wi = np.clip(pw, 0, W - 1)
-    # gather windows: (..., oh, kh, ow, kw)
-    win = x[..., hi[:, :, None, None], wi[None, None, :, :]]
-    valid = vh[:, :, None, None] & vw[None, None, :, :]
+    positions[i]: (out_i, k_i) input indices along spatial axis i (any values),
+    valids[i]: which of them are real. Returns the windows (..., out..., prod(k))
+    with invalid entries at the dtype's lowest value, and the flat spatial index
+    (out..., prod(k)) of every window element.
+    """
+    nd = len(positions)
+    sizes = x.shape[-nd:]
+    lead = x.ndim - nd
+    for i, pos in enumerate(positions):
+        axis = lead + 2 * i  # earlier axes have become (out, k) pairs
+        o, k = pos.shape
+        x = jnp.take(x, np.clip(pos, 0, sizes[i] - 1).reshape(-1), axis=axis)
+        x = x.reshape(x.shape[:axis] + (o, k) + x.shape[axis + 1:])
+    # (..., o1, k1, o2, k2, ...) -> (..., o1, o2, ..., k1, k2, ...)
+    perm = list(range(lead)) + [lead + 2 * i for i in range(nd)] + [lead + 2 * i + 1 for i in range(nd)]
+    x = jnp.transpose(x, perm)
+    outs = [p.shape[0] for p in positions]
+    ks = [p.shape[1] for p in positions]
+    x = x.reshape(x.shape[:lead] + tuple(outs) + (math.prod(ks),))
+    valid = np.ones((), bool)
+    flat = np.zeros((), np.int64)
+    for i, (pos, ok) in enumerate(zip(positions, valids)):
+        # broadcast (o_i, k_i) into the (o..., k...) grid
+        shape = [1] * (2 * nd)
+        shape[i], shape[nd + i] = pos.shape
+        valid = valid & ok.reshape(shape)
+        flat = flat * sizes[i] + np.clip(pos, 0, sizes[i] - 1).reshape(shape)
+    valid = valid.reshape(tuple(outs) + (-1,))
+    flat = flat.reshape(tuple(outs) + (-1,))
     lowest = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
-    win = jnp.where(valid, win, jnp.asarray(lowest, x.dtype))
-    win = jnp.moveaxis(win, -3, -2)  # (..., oh, ow, kh, kw)
-    flat = win.reshape(win.shape[:-2] + (k[0] * k[1],))
-    # NaN wins, as in ATen's kernel
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        isnan = jnp.isnan(flat)
-        arg = jnp.where(jnp.any(isnan, -1), jnp.argmax(isnan, -1), jnp.argmax(flat, -1))
+    return jnp.where(valid, x, jnp.asarray(lowest, x.dtype)), flat
+
+
+def _argmax_windows(win, flat):
+    """Max of each window and its flat input index; NaN wins, as in ATen's kernels."""
+    if jnp.issubdtype(win.dtype, jnp.floating):
+        isnan = jnp.isnan(win)
+        arg = jnp.where(jnp.any(isnan, -1), jnp.argmax(isnan, -1), jnp.argmax(win, -1))
     else:
-        arg = jnp.argmax(flat, -1)
-    out = jnp.take_along_axis(flat, arg[..., None], -1)[..., 0]
-    kh_i, kw_i = arg // k[1], arg % k[1]
-    rows = jnp.asarray(ph)[jnp.arange(oh)[:, None], kh_i]
-    cols = jnp.asarray(pw)[jnp.arange(ow)[None, :], kw_i]
-    idx = (rows * W + cols).astype(jnp.int64)
-    return out, idx
+        arg = jnp.argmax(win, -1)
+    out = jnp.take_along_axis(win, arg[..., None], -1)[..., 0]
+    idx = jnp.take_along_axis(jnp.broadcast_to(flat, win.shape), arg[..., None], -1)[..., 0]
+    return out, idx.astype(jnp.int64)
 
 
-@lower("max_pool2d_with_indices_backward")
-def _max_pool2d_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
-    H, W = x.shape[-2:]
-    lead = x.shape[:-2]
-    g = grad.reshape((-1, grad.shape[-2] * grad.shape[-1]))
+def _max_pool(nd):
+    def fwd(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+        k, s, p, d, outs = _pool_geometry(x, nd, kernel_size, stride, padding, dilation, ceil_mode)
+        sizes = x.shape[-nd:]
+        positions = [np.arange(outs[i])[:, None] * s[i] - p[i] + np.arange(k[i])[None, :] * d[i] for i in range(nd)]
+        valids = [(pos >= 0) & (pos < sizes[i]) for i, pos in enumerate(positions)]
+        return _argmax_windows(*_gather_windows(x, positions, valids))
+
+    return fwd
+
+
+def _scatter_back(grad, x, indices, nd):
+    """Gradient of a max-type pooling: each output's gradient added at its argmax."""
+    sizes = x.shape[-nd:]
+    lead = x.shape[:-nd]
+    n_out = math.prod(grad.shape[-nd:])
+    g = _acc(grad).reshape((-1, n_out))
     idx = indices.reshape(g.shape)
     planes = jnp.arange(g.shape[0])[:, None]
-    out = jnp.zeros((g.shape[0], H * W), _acc(grad).dtype)
-    out = out.at[planes, idx].add(_acc(g), mode="drop")
-    return out.reshape(lead + (H, W))
+    out = jnp.zeros((g.shape[0], math.prod(sizes)), g.dtype)
+    return out.at[planes, idx].add(g, mode="drop").reshape(lead + tuple(sizes))
 
 
-def _avg_pool2d_fwd(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    k, s, p, _, (oh, ow) = _pool_geometry(x, kernel_size, stride, padding, 1, ceil_mode)
-    H, W = x.shape[-2:]
+def _max_pool_backward(nd):
+    def bwd(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+        return _scatter_back(grad, x, indices, nd)
+
+    return bwd
+
+
+# (max_pool1d_with_indices is a PyTorch composite over the 2-d op)
+for _nd in (2, 3):
+    lower(f"max_pool{_nd}d_with_indices")(_max_pool(_nd))
+    lower(f"max_pool{_nd}d_with_indices_backward")(_max_pool_backward(_nd))
+
+
+def _avg_pool_fwd(x, nd, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    k, s, p, _, outs = _pool_geometry(x, nd, kernel_size, stride, padding, 1, ceil_mode)
+    sizes = x.shape[-nd:]
     xf = _fl(x)
+    lead = x.ndim - nd
     # pad enough on the high side for ceil_mode windows
-    hi_h = max((oh - 1) * s[0] + k[0] - H - p[0], 0)
-    hi_w = max((ow - 1) * s[1] + k[1] - W - p[1], 0)
-    nlead = x.ndim - 2
-    pads = [(0, 0, 0)] * nlead + [(p[0], hi_h, 0), (p[1], hi_w, 0)]
-    xp = lax.pad(xf, jnp.zeros((), xf.dtype), pads)
-    win = (1,) * nlead + tuple(k)
-    strides = (1,) * nlead + tuple(s)
+    pads = [(0, 0, 0)] * lead + [(p[i], max((outs[i] - 1) * s[i] + k[i] - sizes[i] - p[i], 0), 0) for i in range(nd)]
+    xp = lax.pad(xf, np.zeros((), xf.dtype), pads)
     # a literal zero init makes this the differentiable reduce_window_sum
-    sums = lax.reduce_window(xp, np.zeros((), xf.dtype), lax.add, win, strides, "VALID")
-    sums = sums[..., :oh, :ow]
+    sums = lax.reduce_window(xp, np.zeros((), xf.dtype), lax.add, (1,) * lead + tuple(k), (1,) * lead + tuple(s),
+                             "VALID")
+    sums = sums[(Ellipsis,) + tuple(slice(0, o) for o in outs)]
     if divisor_override:
         return sums / divisor_override
-    # ATen: window clipped to the padded input (count_include_pad) or to the input
-    hs = np.arange(oh) * s[0] - p[0]
-    ws = np.arange(ow) * s[1] - p[1]
-    he = np.minimum(hs + k[0], H + p[0])
-    we = np.minimum(ws + k[1], W + p[1])
-    if count_include_pad:
-        cnt = (he - hs)[:, None] * (we - ws)[None, :]
-    else:
-        cnt = (np.minimum(he, H) - np.maximum(hs, 0))[:, None] * (np.minimum(we, W) - np.maximum(ws, 0))[None, :]
+    # ATen: each window clipped to the padded input (count_include_pad) or to the input
+    cnt = np.ones((), np.float64)
+    for i in range(nd):
+        st = np.arange(outs[i]) * s[i] - p[i]
+        en = np.minimum(st + k[i], sizes[i] + p[i])
+        c = (en - st) if count_include_pad else (np.minimum(en, sizes[i]) - np.maximum(st, 0))
+        shape = [1] * nd
+        shape[i] = outs[i]
+        cnt = cnt * c.reshape(shape)
     return sums / jnp.asarray(cnt, xf.dtype)
 
 
-@lower("avg_pool2d")
-def _avg_pool2d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
-                divisor_override=None):
-    return _avg_pool2d_fwd(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+def _avg_pool(nd):
+    def fwd(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+        return _avg_pool_fwd(x, nd, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+    def bwd(grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+        out, vjp = jax.vjp(lambda v: _avg_pool_fwd(v, nd, kernel_size, stride, padding, ceil_mode,
+                                                   count_include_pad, divisor_override), _fl(x))
+        return vjp(_fl(grad).astype(out.dtype))[0]
+
+    return fwd, bwd
 
 
-@lower("avg_pool2d_backward")
-def _avg_pool2d_backward(grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    _, vjp = jax.vjp(lambda v: _avg_pool2d_fwd(v, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                                               divisor_override), _fl(x))
-    return vjp(_fl(grad))[0]
+for _nd in (2, 3):
+    _f, _b = _avg_pool(_nd)
+    lower(f"avg_pool{_nd}d")(_f)
+    lower(f"avg_pool{_nd}d_backward")(_b)
 
 
-def _adaptive_matrix(n_in, n_out, dtype):
-    """(n_out, n_in) averaging matrix of adaptive pooling: bin i spans
-    [floor(i*n_in/n_out), ceil((i+1)*n_in/n_out))."""
+def _adaptive_bins(n_in, n_out):
+    """ATen's adaptive bins: [floor(i*n_in/n_out), ceil((i+1)*n_in/n_out))."""
     i = np.arange(n_out)
-    start = (i * n_in) // n_out
-    end = -((-(i + 1) * n_in) // n_out)
+    return (i * n_in) // n_out, -((-(i + 1) * n_in) // n_out)
+
+
+def _adaptive_matrix(n_in, n_out):
+    start, end = _adaptive_bins(n_in, n_out)
     j = np.arange(n_in)
     m = ((j[None, :] >= start[:, None]) & (j[None, :] < end[:, None])).astype(np.float64)
-    m /= (end - start)[:, None]
-    return jnp.asarray(m, dtype)
+    return m / (end - start)[:, None]
 
 
-def _adaptive_avg_pool2d_fwd(x, output_size):
-    oh, ow = _pair(output_size)
-    H, W = x.shape[-2:]
-    xf = _fl(x)
-    ah = _adaptive_matrix(H, oh, xf.dtype)
-    aw = _adaptive_matrix(W, ow, xf.dtype)
-    return einsum("ih,...hw,jw->...ij", ah, xf, aw)
+def _adaptive_avg(nd):
+    def fwd(x, output_size):
+        outs = _tuple(output_size, nd)
+        sizes = x.shape[-nd:]
+        return _resample(x, [_adaptive_matrix(sizes[i], outs[i]) for i in range(nd)])
+
+    def bwd(grad, x):
+        out, vjp = jax.vjp(lambda v: fwd(v, grad.shape[-nd:]), _fl(x))
+        return vjp(_fl(grad).astype(out.dtype))[0]
+
+    return fwd, bwd
 
 
-lower("_adaptive_avg_pool2d")(_adaptive_avg_pool2d_fwd)
+def _adaptive_max(nd):
+    def fwd(x, output_size):
+        outs = _tuple(output_size, nd)
+        sizes = x.shape[-nd:]
+        positions, valids = [], []
+        for i in range(nd):
+            start, end = _adaptive_bins(sizes[i], outs[i])
+            kmax = int((end - start).max())
+            pos = start[:, None] + np.arange(kmax)[None, :]
+            positions.append(pos)
+            valids.append(pos < end[:, None])
+        return _argmax_windows(*_gather_windows(x, positions, valids))
+
+    def bwd(grad, x, indices):
+        return _scatter_back(grad, x, indices, nd)
+
+    return fwd, bwd
 
 
-@lower("_adaptive_avg_pool2d_backward")
-def _adaptive_avg_pool2d_backward(grad, x):
-    oh, ow = grad.shape[-2:]
-    H, W = x.shape[-2:]
-    g = _fl(grad)
-    ah = _adaptive_matrix(H, oh, g.dtype)
-    aw = _adaptive_matrix(W, ow, g.dtype)
-    return einsum("ih,...ij,jw->...hw", ah, g, aw)
+for _nd in (2, 3):
+    _f, _b = _adaptive_avg(_nd)
+    lower(f"_adaptive_avg_pool{_nd}d")(_f)
+    lower(f"_adaptive_avg_pool{_nd}d_backward")(_b)
+    _f, _b = _adaptive_max(_nd)
+    lower(f"adaptive_max_pool{_nd}d")(_f)
+    lower(f"adaptive_max_pool{_nd}d_backward")(_b)
+
+
+# ================================================================ padding
+def _pad_widths(x, padding):
+    """PyTorch's pad list (last dim first, (low, high) pairs) as jnp.pad widths."""
+    n = len(padding) // 2
+    widths = [(0, 0)] * (x.ndim - n)
+    for i in reversed(range(n)):
+        widths.append((padding[2 * i], padding[2 * i + 1]))
+    return widths
+
+
+def _pad_family(kind, nd):
+    mode = {"reflection": "reflect", "replication": "edge"}[kind]
+
+    def fwd(x, padding):
+        return jnp.pad(x, _pad_widths(x, padding), mode=mode)
+
+    def bwd(grad, x, padding):
+        out, vjp = jax.vjp(lambda v: fwd(v, padding), _fl(x))
+        return vjp(_fl(grad).astype(out.dtype))[0]
+
+    lower(f"{kind}_pad{nd}d")(fwd)
+    lower(f"{kind}_pad{nd}d_backward")(bwd)
+
+
+for _kind in ("reflection", "replication"):
+    for _nd in (1, 2, 3):
+        _pad_family(_kind, _nd)
 
 
 # ================================================================ upsampling
+# Each spatial axis is resampled on its own: nearest modes gather source indices,
+# linear and cubic modes contract with a small (out, in) weight matrix built on the
+# host with ATen's index arithmetic. Backward is the transpose (a VJP of the same,
+# linear, function).
+def _src_scale(n_out, n_in, align_corners, scale):
+    """ATen's area_pixel_compute_scale."""
+    if align_corners:
+        return (n_in - 1) / (n_out - 1) if n_out > 1 else 0.0
+    return (1.0 / scale) if scale else n_in / n_out
+
+
 def _nearest_index(n_out, n_in, scale, exact=False):
-    # ATen: src = floor(dst * scale) with scale = 1/scale_factor if given, else in/out
-    s = (1.0 / scale) if scale else n_in / n_out
-    dst = np.arange(n_out, dtype=np.float64)
-    src = np.floor((dst + 0.5) * s) if exact else np.floor(dst * s)
-    # ATen computes the product in float32
-    if not exact:
-        src = np.floor(np.float32(dst) * np.float32(s))
+    # ATen: src = floor(dst * s) (nearest-exact: floor((dst + 0.5) * s)) in float32,
+    # s = 1/scale_factor when given, else in/out
+    s = np.float32((1.0 / scale) if scale else n_in / n_out)
+    dst = np.arange(n_out, dtype=np.float32)
+    src = np.floor((dst + np.float32(0.5)) * s) if exact else np.floor(dst * s)
     return np.minimum(src.astype(np.int64), n_in - 1)
 
 
-def _upsample_nearest2d_fwd(x, output_size, scales_h=None, scales_w=None, exact=False):
-    oh, ow = output_size
-    H, W = x.shape[-2:]
-    ih = _nearest_index(oh, H, scales_h, exact)
-    iw = _nearest_index(ow, W, scales_w, exact)
-    return x[..., ih[:, None], iw[None, :]]
-
-
-@lower("upsample_nearest2d")
-def _upsample_nearest2d(x, output_size, scales_h=None, scales_w=None):
-    return _upsample_nearest2d_fwd(x, output_size, scales_h, scales_w)
-
-
-@lower("_upsample_nearest_exact2d")
-def _upsample_nearest_exact2d(x, output_size, scales_h=None, scales_w=None):
-    return _upsample_nearest2d_fwd(x, output_size, scales_h, scales_w, exact=True)
-
-
-def _upsample_nearest2d_bwd(grad, output_size, input_size, scales_h, scales_w, exact):
-    x0 = jnp.zeros(tuple(input_size), _fl(grad).dtype)
-    _, vjp = jax.vjp(lambda v: _upsample_nearest2d_fwd(v, output_size, scales_h, scales_w, exact), x0)
-    return vjp(_fl(grad))[0]
-
-
-@lower("upsample_nearest2d_backward")
-def _upsample_nearest2d_backward(grad, output_size, input_size, scales_h=None, scales_w=None):
-    return _upsample_nearest2d_bwd(grad, output_size, input_size, scales_h, scales_w, False)
-
-
-@lower("_upsample_nearest_exact2d_backward")
-def _upsample_nearest_exact2d_backward(grad, output_size, input_size, scales_h=None, scales_w=None):
-    return _upsample_nearest2d_bwd(grad, output_size, input_size, scales_h, scales_w, True)
-
-
 def _linear_matrix(n_out, n_in, align_corners, scale):
-    """(n_out, n_in) interpolation weights of ATen's linear upsampling."""
+    s = _src_scale(n_out, n_in, align_corners, scale)
     dst = np.arange(n_out, dtype=np.float64)
-    if align_corners:
-        s = (n_in - 1) / (n_out - 1) if n_out > 1 else 0.0
-        src = dst * s
-    else:
-        s = (1.0 / scale) if scale else n_in / n_out
-        src = np.maximum((dst + 0.5) * s - 0.5, 0.0)
+    src = dst * s if align_corners else np.maximum((dst + 0.5) * s - 0.5, 0.0)
     i0 = np.minimum(np.floor(src).astype(np.int64), n_in - 1)
     i1 = np.minimum(i0 + 1, n_in - 1)
     l1 = src - i0
-    l0 = 1.0 - l1
     m = np.zeros((n_out, n_in))
-    np.add.at(m, (np.arange(n_out), i0), l0)
+    np.add.at(m, (np.arange(n_out), i0), 1.0 - l1)
     np.add.at(m, (np.arange(n_out), i1), l1)
     return m
 
 
-def _upsample_bilinear2d_fwd(x, output_size, align_corners, scales_h=None, scales_w=None):
-    oh, ow = output_size
-    H, W = x.shape[-2:]
+def _cubic_matrix(n_out, n_in, align_corners, scale, a=-0.75):
+    """ATen's bicubic taps (Keys kernel, A = -0.75), borders clamped."""
+    s = _src_scale(n_out, n_in, align_corners, scale)
+    dst = np.arange(n_out, dtype=np.float64)
+    src = dst * s if align_corners else (dst + 0.5) * s - 0.5
+    i = np.floor(src).astype(np.int64)
+    t = src - i
+
+    def near(x):  # |x| <= 1
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def far(x):  # 1 < |x| < 2
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    m = np.zeros((n_out, n_in))
+    rows = np.arange(n_out)
+    for k, w in zip(range(-1, 3), (far(t + 1), near(t), near(1 - t), far(2 - t))):
+        np.add.at(m, (rows, np.clip(i + k, 0, n_in - 1)), w)
+    return m
+
+
+def _resample(x, mats):
+    """Contract the trailing len(mats) axes of x with the (out, in) matrices."""
     xf = _fl(x)
-    mh = jnp.asarray(_linear_matrix(oh, H, align_corners, scales_h), xf.dtype)
-    mw = jnp.asarray(_linear_matrix(ow, W, align_corners, scales_w), xf.dtype)
-    return einsum("ih,...hw,jw->...ij", mh, xf, mw)
+    nd = len(mats)
+    for k, m in enumerate(mats):
+        axis = xf.ndim - nd + k
+        y = jnp.tensordot(jnp.asarray(m, xf.dtype), xf, axes=([1], [axis]), precision=matmul_precision())
+        xf = jnp.moveaxis(y, 0, axis)
+    return xf
 
 
-@lower("upsample_bilinear2d")
-def _upsample_bilinear2d(x, output_size, align_corners, scales_h=None, scales_w=None):
-    return _upsample_bilinear2d_fwd(x, output_size, align_corners, scales_h, scales_w)
+def _upsample_nearest(x, output_size, scales, exact=False):
+    nd = len(output_size)
+    for k, (n_out, sc) in enumerate(zip(output_size, scales)):
+        axis = x.ndim - nd + k
+        x = jnp.take(x, _nearest_index(n_out, x.shape[axis], sc, exact), axis=axis)
+    return x
 
 
-@lower("upsample_bilinear2d_backward")
-def _upsample_bilinear2d_backward(grad, output_size, input_size, align_corners, scales_h=None, scales_w=None):
-    H, W = input_size[-2:]
-    oh, ow = output_size
-    g = _fl(grad)
-    mh = jnp.asarray(_linear_matrix(oh, H, align_corners, scales_h), g.dtype)
-    mw = jnp.asarray(_linear_matrix(ow, W, align_corners, scales_w), g.dtype)
-    return einsum("ih,...ij,jw->...hw", mh, g, mw)
+def _upsample_interp(x, output_size, align_corners, scales, cubic=False):
+    nd = len(output_size)
+    make = _cubic_matrix if cubic else _linear_matrix
+    mats = [make(n_out, x.shape[x.ndim - nd + k], align_corners, sc)
+            for k, (n_out, sc) in enumerate(zip(output_size, scales))]
+    return _resample(x, mats)
+
+
+def _backward_of(forward):
+    def backward(grad, input_size):
+        x0 = jnp.zeros(tuple(input_size), _fl(grad).dtype)
+        out, vjp = jax.vjp(forward, x0)
+        return vjp(_fl(grad).astype(out.dtype))[0]
+
+    return backward
+
+
+def _nearest_family(nd, exact):
+    prefix = "_upsample_nearest_exact" if exact else "upsample_nearest"
+    name = f"{prefix}{nd}d"
+
+    def fwd(x, output_size, *scales):
+        return _upsample_nearest(x, output_size, (list(scales) + [None] * nd)[:nd], exact)
+
+    def bwd(grad, output_size, input_size, *scales):
+        sc = (list(scales) + [None] * nd)[:nd]
+        return _backward_of(lambda v: _upsample_nearest(v, output_size, sc, exact))(grad, input_size)
+
+    lower(name)(fwd)
+    lower(name + "_backward")(bwd)
+
+
+def _interp_family(name, nd, cubic=False):
+    def fwd(x, output_size, align_corners, *scales):
+        return _upsample_interp(x, output_size, align_corners, (list(scales) + [None] * nd)[:nd], cubic)
+
+    def bwd(grad, output_size, input_size, align_corners, *scales):
+        sc = (list(scales) + [None] * nd)[:nd]
+        return _backward_of(lambda v: _upsample_interp(v, output_size, align_corners, sc, cubic))(grad, input_size)
+
+    lower(name)(fwd)
+    lower(name + "_backward")(bwd)
+
+
+for _nd in (1, 2, 3):
+    _nearest_family(_nd, exact=False)
+    _nearest_family(_nd, exact=True)
+_interp_family("upsample_linear1d", 1)
+_interp_family("upsample_bilinear2d", 2)
+_interp_family("upsample_trilinear3d", 3)
+_interp_family("upsample_bicubic2d", 2, cubic=True)
 
 
 # ================================================================ dropout
@@ -1101,6 +1225,153 @@ def _native_dropout(x, p, train, key=None):
 @lower("native_dropout_backward")
 def _native_dropout_backward(grad, mask, scale):
     return jnp.where(mask, _acc(grad) * scale, 0)
+
+
+# ================================================================ recurrent cells
+# nn.LSTM / nn.GRU on a non-CPU device run their cells through these fused ops
+# (CUDA kernels in ATen, no CPU kernel): gates are (B, 4H) / (B, 3H) matmul
+# results; the workspace saves the activated gates for the backward.
+def _cell_gates(input_gates, hidden_gates, input_bias, hidden_bias):
+    ig, hg = _acc(input_gates), _acc(hidden_gates)
+    if input_bias is not None:
+        ig = ig + _acc(input_bias)
+    if hidden_bias is not None:
+        hg = hg + _acc(hidden_bias)
+    return ig, hg
+
+
+@lower("_thnn_fused_lstm_cell")
+def _lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+    ig, hg = _cell_gates(input_gates, hidden_gates, input_bias, hidden_bias)
+    i, f, g, o = jnp.split(ig + hg, 4, axis=-1)
+    i, f, g, o = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g), jax.nn.sigmoid(o)
+    cy = f * _acc(cx) + i * g
+    hy = o * jnp.tanh(cy)
+    return hy, cy, jnp.concatenate([i, f, g, o], axis=-1)
+
+
+def _lstm_bwd_meta(grad_hy, grad_cy, cx, cy, workspace, has_bias):
+    return (torch.empty_like(workspace), torch.empty_like(cx),
+            workspace.new_empty(workspace.shape[-1:] if has_bias else (0,)))
+
+
+@lower("_thnn_fused_lstm_cell_backward_impl", meta=_lstm_bwd_meta)
+def _lstm_cell_backward(grad_hy, grad_cy, cx, cy, workspace, has_bias):
+    i, f, g, o = jnp.split(_acc(workspace), 4, axis=-1)
+    cyf = _acc(cy)
+    ghy = _acc(grad_hy) if grad_hy is not None else jnp.zeros_like(cyf)
+    gcy = _acc(grad_cy) if grad_cy is not None else jnp.zeros_like(cyf)
+    tc = jnp.tanh(cyf)
+    gc = ghy * o * (1 - tc * tc) + gcy
+    grad_gates = jnp.concatenate([gc * g * i * (1 - i), gc * _acc(cx) * f * (1 - f), gc * i * (1 - g * g),
+                                  ghy * tc * o * (1 - o)], axis=-1)
+    grad_bias = jnp.sum(grad_gates, axis=0) if has_bias else jnp.zeros((0,), grad_gates.dtype)
+    return grad_gates, gc * f, grad_bias
+
+
+def _gru_meta(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    h = hx.shape[-1]
+    return torch.empty_like(hx), hx.new_empty(hx.shape[:-1] + (5 * h,))
+
+
+@lower("_thnn_fused_gru_cell", meta=_gru_meta)
+def _gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    ig, hg = _cell_gates(input_gates, hidden_gates, input_bias, hidden_bias)
+    ir, ii, in_ = jnp.split(ig, 3, axis=-1)
+    hr, hi, hn = jnp.split(hg, 3, axis=-1)
+    r = jax.nn.sigmoid(ir + hr)
+    z = jax.nn.sigmoid(ii + hi)
+    n = jnp.tanh(in_ + r * hn)
+    hxf = _acc(hx)
+    hy = n + z * (hxf - n)
+    return hy, jnp.concatenate([r, z, n, hxf, hn], axis=-1)
+
+
+def _gru_bwd_meta(grad_hy, workspace, has_bias):
+    h = grad_hy.shape[-1]
+    gates = grad_hy.new_empty(grad_hy.shape[:-1] + (3 * h,))
+    bias = grad_hy.new_empty((3 * h,) if has_bias else (0,))
+    return gates, torch.empty_like(gates), torch.empty_like(grad_hy), bias, torch.empty_like(bias)
+
+
+@lower("_thnn_fused_gru_cell_backward", meta=_gru_bwd_meta)
+def _gru_cell_backward(grad_hy, workspace, has_bias):
+    r, z, n, hx, hn = jnp.split(_acc(workspace), 5, axis=-1)
+    g = _acc(grad_hy)
+    gn = g * (1 - z) * (1 - n * n)
+    gz = g * (hx - n) * z * (1 - z)
+    gr = gn * hn * r * (1 - r)
+    grad_input = jnp.concatenate([gr, gz, gn], axis=-1)
+    grad_hidden = jnp.concatenate([gr, gz, gn * r], axis=-1)
+    if has_bias:
+        bi, bh = jnp.sum(grad_input, axis=0), jnp.sum(grad_hidden, axis=0)
+    else:
+        bi = bh = jnp.zeros((0,), g.dtype)
+    return grad_input, grad_hidden, g * z, bi, bh
+
+
+# ================================================================ distances, renorm
+def _cdist_use_mm(p, compute_mode, P, R):
+    # ATen: the matmul form (|x|^2 + |y|^2 - 2 x.y) for p = 2 when asked or when large
+    if p != 2:
+        return False
+    if compute_mode == 1:
+        return True
+    if compute_mode == 2:
+        return False
+    return P > 25 or R > 25
+
+
+@lower("_cdist_forward")
+def _cdist_forward(x1, x2, p, compute_mode=None):
+    a, b = _acc(x1), _acc(x2)
+    if _cdist_use_mm(p, compute_mode, a.shape[-2], b.shape[-2]):
+        aa = jnp.sum(a * a, -1)[..., :, None]
+        bb = jnp.sum(b * b, -1)[..., None, :]
+        ab = einsum("...pm,...rm->...pr", a, b)
+        return jnp.sqrt(jnp.maximum(aa + bb - 2 * ab, 0))
+    d = jnp.abs(a[..., :, None, :] - b[..., None, :, :])
+    if p == 0:
+        return jnp.sum(d != 0, -1).astype(a.dtype)
+    if p == math.inf:
+        return jnp.max(d, -1)
+    if p == 1:
+        return jnp.sum(d, -1)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(d * d, -1))
+    return jnp.sum(d ** p, -1) ** (1.0 / p)
+
+
+@lower("_cdist_backward")
+def _cdist_backward(grad, x1, x2, p, cdist):
+    # ATen's formula per pair, 0 where the distance is 0; summed over x2's rows
+    diff = _acc(x1)[..., :, None, :] - _acc(x2)[..., None, :, :]
+    g = _acc(grad)[..., None]
+    dist = _acc(cdist)[..., None]
+    if p == 0:
+        return jnp.zeros_like(_acc(x1))
+    if p == 1:
+        per = g * jnp.sign(diff)
+    elif p == math.inf:
+        per = g * jnp.sign(diff) * (jnp.abs(diff) == dist)
+    elif p == 2:
+        per = g * diff / jnp.where(dist == 0, 1, dist)
+    else:
+        safe = jnp.where(dist == 0, 1, dist)
+        per = g * diff * jnp.abs(diff) ** (p - 2) / safe ** (p - 1)
+        if p < 2:
+            per = jnp.where(diff == 0, 0, per)
+    per = jnp.where(dist == 0, 0, per)
+    return jnp.sum(per, axis=-2)
+
+
+@lower("embedding_renorm")
+def _embedding_renorm(weight, indices, max_norm, norm_type):
+    rows = jnp.zeros((weight.shape[0],), bool).at[indices.reshape(-1)].set(True, mode="drop")
+    w = _acc(weight)
+    norms = jnp.sum(jnp.abs(w) ** norm_type, axis=-1) ** (1.0 / norm_type)
+    scale = jnp.where(rows & (norms > max_norm), max_norm / (norms + 1e-7), 1.0)
+    return w * scale[:, None]
 
 
 # ================================================================ attention
