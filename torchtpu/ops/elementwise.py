@@ -59,7 +59,6 @@ _UNARY = {
     "logical_not": jnp.logical_not,
     "isnan": jnp.isnan,
     "isinf": jnp.isinf,
-    "isfinite": jnp.isfinite,
     "isposinf": jnp.isposinf,
     "isneginf": jnp.isneginf,
     "relu": lambda x: jnp.maximum(x, 0).astype(x.dtype),
@@ -71,16 +70,11 @@ _UNARY = {
     "rad2deg": lambda x: jnp.rad2deg(_float(x)),
     "i0": lambda x: jnp.i0(_float(x)),
     "sinc": lambda x: jnp.sinc(_float(x)),
-    "conj_physical": jnp.conj,
-    "positive": lambda x: x,
     "angle": lambda x: jnp.angle(x) if jnp.iscomplexobj(x) else jnp.where(jnp.isnan(_float(x)), _float(x), jnp.where(x < 0, jnp.pi, 0.0)),
-    "real": jnp.real,
-    "imag": jnp.imag,
     "clone": lambda x: x,
     "alias_copy": lambda x: x,
     "detach_copy": lambda x: x,
     "lift_fresh_copy": lambda x: x,
-    "square": lambda x: x * x,
     "special_entr": lambda x: jnp.where(x > 0, -x * jnp.log(x), jnp.where(x == 0, 0.0, -jnp.inf)),
 }
 
@@ -333,14 +327,6 @@ def _pow_ts(a, exponent):
 def _pow_st(a, b):
     a, b = _promote_pair(a, b)
     return jnp.power(a, b)
-
-
-@lower("float_power.Tensor_Tensor", "float_power.Tensor_Scalar", "float_power.Scalar")
-def _float_power(a, b):
-    a = jnp.asarray(a)
-    b = jnp.asarray(b)
-    dt = jnp.complex128 if jnp.iscomplexobj(a) or jnp.iscomplexobj(b) else jnp.float64
-    return jnp.power(a.astype(dt), b.astype(dt))
 
 
 @lower("clamp")
