@@ -89,6 +89,38 @@ def test_module_tpu():
 
 
 # ---------------------------------------------------------------- torch.tpu
+class _TiedLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_module_to_keeps_tied_weights_and_parameter_objects():
+    m = _TiedLM()
+    weight = m.emb.weight
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)  # built before the move, as on cuda
+    m.to("tpu")
+    assert m.head.weight is m.emb.weight is weight and weight.device.type == "tpu"
+    assert len(list(m.parameters())) == 1
+    before = weight.detach().cpu().clone()
+    m.head(m.emb(torch.tensor([1, 2], device="tpu"))).sum().backward()
+    opt.step()
+    assert not torch.equal(weight.detach().cpu(), before)  # the optimizer updated the moved weight
+    m.half()
+    assert m.head.weight is m.emb.weight and weight.dtype == torch.float16
+    m.cpu()
+    assert m.head.weight is m.emb.weight and weight.device.type == "cpu"
+    assert torch.__future__.get_swap_module_params_on_conversion() is False  # restored
+
+
+def test_cpu_module_conversion_is_torch_default():
+    m = _TiedLM()
+    m.double()  # cpu -> cpu keeps torch's own behaviour (set .data), tying intact either way
+    assert m.head.weight is m.emb.weight and m.emb.weight.dtype == torch.float64
+
+
 def test_torch_tpu_basics():
     assert torch.tpu.is_available()
     assert torch.tpu.device_count() == 1

@@ -16,6 +16,7 @@ routed here because the guard cannot answer them from Python.
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import types
 
@@ -362,6 +363,53 @@ def _install_kernels() -> None:
     _LIBS.append(lib)
 
 
+def _install_module_conversion() -> None:
+    """``Module.to("tpu")`` / ``.cpu()`` / ``.half()`` of a tpu module swap tensors in place.
+
+    torch's default conversion shallow-copies only between its built-in dense backends
+    (cpu, cuda, ...); for PrivateUse1 it builds a new Parameter per module slot, which
+    unties shared weights (an LM head tied to its embedding) and orphans optimizers built
+    before the move. Swapping (``torch.__future__.set_swap_module_params_on_conversion``,
+    torch's announced future default) keeps each Parameter object, so both survive. It is
+    switched on only for conversions that touch tpu, so other devices keep torch's default.
+    """
+    original = torch.nn.Module._apply
+    if getattr(original, "_torchtpu", False):
+        return
+
+    def converts_to_tpu(fn) -> bool:
+        try:  # conversion fns (to, cpu, half, share_memory_) are cheap on an empty tensor
+            with torch.no_grad():
+                out = fn(torch.empty(0))
+        except Exception:
+            return False
+        return isinstance(out, torch.Tensor) and out.device.type == "tpu"
+
+    def touches_tpu(module, fn) -> bool:
+        tensors = itertools.chain(module.parameters(), module.buffers())
+        return any(t.device.type == "tpu" for t in tensors) or converts_to_tpu(fn)
+
+    decided = []  # the outermost _apply decides once for the whole module tree
+
+    def _apply(self, fn, *args, **kwargs):
+        future = torch.__future__
+        if decided or future.get_swap_module_params_on_conversion():
+            return original(self, fn, *args, **kwargs)
+        swap = touches_tpu(self, fn)
+        decided.append(True)
+        if swap:
+            future.set_swap_module_params_on_conversion(True)
+        try:
+            return original(self, fn, *args, **kwargs)
+        finally:
+            decided.pop()
+            if swap:
+                future.set_swap_module_params_on_conversion(False)
+
+    _apply._torchtpu = True
+    torch.nn.Module._apply = _apply
+
+
 _registered = False
 
 
@@ -381,6 +429,7 @@ def register() -> None:
     torch._C._acc.register_python_privateuseone_device_guard(_Guard())
     _install_accelerator()
     _install_kernels()
+    _install_module_conversion()
     _registered = True
     seed = os.environ.get("TORCHTPU_SEED")
     tpu_random.manual_seed(int(seed) if seed else torch.initial_seed())

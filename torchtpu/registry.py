@@ -615,13 +615,15 @@ def _functional_of_out(op):
 def _make_out_kernel(op, fop, out_names):
     schema_args = list(op._schema.arguments)
     fnames = [a.name for a in fop._schema.arguments]
+    npos = sum(1 for a in fop._schema.arguments if not a.kwarg_only)
     defaults = {a.name: a.default_value for a in schema_args if a.has_default_value()}
 
     def out_kernel(*args, **kwargs):
         bound = dict(zip([a.name for a in schema_args], args))
         bound.update(kwargs)
         fargs = [bound[n] if n in bound else defaults[n] for n in fnames]
-        res = fop(*fargs)
+        # keyword-only arguments (sum.dim_IntList's dtype) must be passed by keyword
+        res = fop(*fargs[:npos], **dict(zip(fnames[npos:], fargs[npos:])))
         res_flat = res if isinstance(res, (tuple, list)) else (res,)
         outs = [bound[n] for n in out_names]
         for o, r in zip(outs, res_flat):

@@ -243,3 +243,15 @@ def _resize_(self, size, memory_format=None):
         flat = flat[:new_numel]
     storage.replace_storage(self, size, flat)
     return self
+
+
+# conj / neg views are lazy bits on the tensor that torchtpu's reads ignore:
+# materialize them (a copy, not a view), as XLA backends do
+@impl("_conj")
+def _conj_materialized(self):
+    return aten.conj_physical.default(self)
+
+
+@impl("_neg_view")
+def _neg_view_materialized(self):
+    return aten.neg.default(self)

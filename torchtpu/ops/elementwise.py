@@ -19,6 +19,7 @@ def _float(x):
 _UNARY = {
     "abs": jnp.abs,
     "neg": jnp.negative,
+    "_conj_physical": jnp.conj,  # conj_physical is CompositeImplicit; this is its kernel
     "exp": lambda x: jnp.exp(_float(x)),
     "exp2": lambda x: jnp.exp2(_float(x)),
     "expm1": lambda x: jnp.expm1(_float(x)),
@@ -45,15 +46,16 @@ _UNARY = {
     "erfc": lambda x: jsp.erfc(_float(x)),
     "erfinv": lambda x: jsp.erfinv(_float(x)),
     "lgamma": lambda x: jsp.gammaln(_float(x)),
-    "digamma": lambda x: jsp.digamma(_float(x)),
+    # PyTorch: digamma(+-0) = -+inf (jax gives nan)
+    "digamma": lambda x: _digamma(_float(x)),
     "reciprocal": lambda x: 1 / _float(x),
     "floor": lambda x: jnp.floor(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
     "ceil": lambda x: jnp.ceil(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
     "trunc": lambda x: jnp.trunc(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
     "frac": lambda x: x - jnp.trunc(x),
     "round": lambda x: jnp.round(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
-    "sign": jnp.sign,
-    "sgn": jnp.sign,
+    "sign": lambda x: x if x.dtype == jnp.bool_ else jnp.sign(x),
+    "sgn": lambda x: x if x.dtype == jnp.bool_ else jnp.sign(x),
     "signbit": jnp.signbit,
     "bitwise_not": lambda x: jnp.logical_not(x) if x.dtype == jnp.bool_ else jnp.bitwise_not(x),
     "logical_not": jnp.logical_not,
@@ -75,8 +77,34 @@ _UNARY = {
     "alias_copy": lambda x: x,
     "detach_copy": lambda x: x,
     "lift_fresh_copy": lambda x: x,
-    "special_entr": lambda x: jnp.where(x > 0, -x * jnp.log(x), jnp.where(x == 0, 0.0, -jnp.inf)),
+    "special_entr": lambda x: _entr(_float(x)),
+    "special_i0e": lambda x: jsp.i0e(_float(x)),
+    "special_i1": lambda x: jsp.i1(_float(x)),
+    "special_i1e": lambda x: jsp.i1e(_float(x)),
+    "special_ndtri": lambda x: jsp.ndtri(_float(x)),
+    "special_log_ndtr": lambda x: jsp.log_ndtr(_float(x)),
+    "special_modified_bessel_i0": lambda x: jnp.i0(_float(x)),
+    "special_modified_bessel_i1": lambda x: jsp.i1(_float(x)),
+    "special_spherical_bessel_j0": lambda x: _spherical_j0(_float(x)),
 }
+
+
+def _up(x):
+    """float32 compute for bfloat16/float16 (PyTorch's CPU kernels do the same)."""
+    return x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
+
+
+def _digamma(x):
+    return jnp.where(x == 0, jnp.copysign(jnp.asarray(jnp.inf, x.dtype), -x), jsp.digamma(x))
+
+
+def _entr(x):
+    return jnp.where(x > 0, -x * jnp.log(jnp.where(x > 0, x, 1)), jnp.where(x == 0, 0.0, -jnp.inf)).astype(x.dtype)
+
+
+def _spherical_j0(x):
+    safe = jnp.where(x == 0, 1, x)
+    return jnp.where(x == 0, jnp.ones_like(x), jnp.sin(safe) / safe)
 
 
 def _unary(fn):
@@ -190,7 +218,20 @@ def _floor_divide(a, b):
     a, b = _promote_pair(a, b)
     if jnp.issubdtype(a.dtype, jnp.integer):
         return jnp.floor_divide(a, b)
-    return jnp.floor(a / b)
+    if a.dtype == jnp.bool_:
+        return jnp.floor_divide(a.astype(jnp.int8), b.astype(jnp.int8)).astype(jnp.bool_)
+    # PyTorch's div_floor_floating, in float32 for bfloat16/float16 (as its CPU kernel):
+    # floor(a / b) on the rounded quotient is off by one near integers
+    dt = a.dtype
+    a, b = _up(a), _up(b)
+    mod = jnp.fmod(a, b)
+    div = (a - mod) / b
+    div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
+    floordiv = jnp.floor(div)
+    floordiv = jnp.where(div - floordiv > 0.5, floordiv + 1, floordiv)
+    out = jnp.where(div != 0, floordiv, jnp.copysign(jnp.zeros_like(div), a / b))
+    out = jnp.where(b == 0, a / b, out)
+    return out.astype(dt)
 
 
 def _remainder(a, b):
@@ -227,7 +268,8 @@ _BINARY = {
     "logaddexp": lambda a, b: jnp.logaddexp(_float(a), _float(b)),
     "logaddexp2": lambda a, b: jnp.logaddexp2(_float(a), _float(b)),
     "heaviside": lambda a, b: jnp.where(a == 0, b, (a > 0).astype(a.dtype)),
-    "ldexp": lambda a, b: _float(a) * jnp.exp2(_float(b)),
+    # in float32 for bfloat16/float16: exp2 of a bfloat16 exponent is off by percents
+    "ldexp": lambda a, b: _up(_float(a)) * jnp.exp2(_up(_float(b))),
     "igamma": lambda a, b: jsp.gammainc(_float(a), _float(b)),
     "igammac": lambda a, b: jsp.gammaincc(_float(a), _float(b)),
 }
@@ -277,6 +319,7 @@ def _div_mode(a, b, rounding_mode=None):
     a, b = _promote_pair(a, b)
     if rounding_mode == "trunc":
         if jnp.issubdtype(a.dtype, jnp.integer):
+            a, b = jnp.broadcast_arrays(a, b)  # lax.div does not broadcast
             q = lax.div(a, jnp.where(b == 0, 1, b))
             return q
         return jnp.trunc(a / b)
@@ -306,14 +349,27 @@ def _rsub(a, b, alpha=1):
     return _sub(b, a, alpha)
 
 
+def _int_pow(a, b):
+    """Integer power with PyTorch's rule for negative exponents (1, +-1, else 0)."""
+    neg = b < 0
+    p = jnp.power(a, jnp.where(neg, 0, b))
+    odd = (b % 2) != 0
+    r_neg = jnp.where(a == 1, 1, jnp.where(a == -1, jnp.where(odd, -1, 1), 0)).astype(a.dtype)
+    return jnp.where(neg, r_neg, p)
+
+
 @lower("pow.Tensor_Tensor")
 def _pow_tt(a, b):
     a, b = _promote_pair(a, b)
+    if jnp.issubdtype(a.dtype, jnp.integer):
+        return _int_pow(a, b)
     return jnp.power(a, b)
 
 
 @lower("pow.Tensor_Scalar", static=("exponent",))
 def _pow_ts(a, exponent):
+    if a.dtype == jnp.bool_:
+        a = a.astype(jnp.int64)  # square(bool) = pow(bool, 2): lax.integer_pow rejects bool
     if isinstance(exponent, int) and not isinstance(exponent, bool) and exponent >= 0:
         return lax.integer_pow(a, exponent) if exponent < 64 else jnp.power(a, exponent)
     if isinstance(exponent, float) and jnp.issubdtype(a.dtype, jnp.integer):
@@ -326,7 +382,25 @@ def _pow_ts(a, exponent):
 @lower("pow.Scalar")
 def _pow_st(a, b):
     a, b = _promote_pair(a, b)
+    if jnp.issubdtype(a.dtype, jnp.integer):
+        return _int_pow(a, b)
     return jnp.power(a, b)
+
+
+@lower("gcd")
+def _gcd(a, b):
+    return jnp.gcd(*_promote_pair(a, b))
+
+
+@lower("lcm")
+def _lcm(a, b):
+    return jnp.lcm(*_promote_pair(a, b))
+
+
+@lower("frexp.Tensor")
+def _frexp(x):
+    m, e = jnp.frexp(x)
+    return m, e.astype(jnp.int32)
 
 
 @lower("clamp")

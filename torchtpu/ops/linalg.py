@@ -56,6 +56,8 @@ def einsum(spec, *ops):
 
 def _axpby(beta, c, alpha, p):
     """``beta * c + alpha * p`` where beta == 0 ignores ``c`` (nan/inf included), as PyTorch does."""
+    if jnp.issubdtype(p.dtype, jnp.integer):  # PyTorch casts the scalars to the integer type
+        alpha, beta = int(alpha), int(beta)
     if alpha != 1:
         p = p * alpha
     if beta == 0:

@@ -128,7 +128,17 @@ def _norm_axes(x, normalized_shape):
     return tuple(range(x.ndim - k, x.ndim))
 
 
-@lower("native_layer_norm")
+def _layer_norm_meta(x, normalized_shape, weight, bias, eps):
+    # ATen's CPU kernel keeps mean/rstd in the input's dtype unless the parameters' dtype
+    # differs (mixed precision); its meta kernel always says float for reduced precision
+    y, mean, rstd = aten.native_layer_norm.default(x, normalized_shape, weight, bias, eps)
+    params = [p for p in (weight, bias) if p is not None]
+    if all(p.dtype == x.dtype for p in params):
+        mean, rstd = mean.to(x.dtype), rstd.to(x.dtype)
+    return y, mean, rstd
+
+
+@lower("native_layer_norm", meta=_layer_norm_meta)
 def _layer_norm(x, normalized_shape, weight, bias, eps):
     axes = _norm_axes(x, normalized_shape)
     xf = _acc(x)
@@ -287,8 +297,22 @@ def _copy_stats(running_mean, running_var, new_rm, new_rv):
         running_var.copy_(new_rv)
 
 
+def _cpu_saved_stats(x, weight, mean, invstd, training):
+    """The saved statistics as ATen's CPU kernel reports them: empty in eval mode, and in the
+    input's dtype unless the parameters' dtype differs from it (mixed precision keeps float)."""
+    if not training:
+        return x.new_empty((0,)), x.new_empty((0,))
+    dt = x.dtype if weight is None or weight.dtype == x.dtype else mean.dtype
+    return mean.to(dt), invstd.to(dt)
+
+
 @impl("native_batch_norm")
 def _native_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    y, mean, invstd = _native_batch_norm_stats(x, weight, bias, running_mean, running_var, training, momentum, eps)
+    return (y,) + _cpu_saved_stats(x, weight, mean, invstd, training)
+
+
+def _native_batch_norm_stats(x, weight, bias, running_mean, running_var, training, momentum, eps):
     if training:
         if running_mean is None and running_var is None:
             return aten._native_batch_norm_legit.no_stats(x, weight, bias, True, momentum, eps)
@@ -313,7 +337,7 @@ def _batch_norm_with_update(x, weight, bias, running_mean, running_var, momentum
     y, mean, invstd, reserve, rm, rv = aten._batch_norm_with_update_functional(
         x, weight, bias, running_mean, running_var, momentum, eps)
     _copy_stats(running_mean, running_var, rm, rv)
-    return y, mean, invstd, reserve
+    return (y,) + _cpu_saved_stats(x, weight, mean, invstd, True) + (reserve,)
 
 
 def _bn_backward(grad_out, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask):
@@ -1480,6 +1504,16 @@ def _none_if_empty(t):
     return None if t is None or t.numel() == 0 else t
 
 
+_OFFSET = []
+
+
+def _zero_offset():
+    """The (unused) philox offset output: one shared, never-written zero tensor."""
+    if not _OFFSET:
+        _OFFSET.append(torch.zeros((), dtype=torch.int64, device="tpu"))
+    return _OFFSET[0]
+
+
 @impl("_scaled_dot_product_fused_attention_overrideable")
 def _sdpa_overrideable(q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
                        scale=None):
@@ -1489,8 +1523,7 @@ def _sdpa_overrideable(q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False, 
         out, lse, seed = torch.ops.torchtpu.sdpa_fwd(q, k, v, attn_bias, is_causal, scale)
     if lse.dim() == 2:  # 3-D (H, L, E) input: PyTorch's lse is (1, H, L)
         lse = lse.unsqueeze(0)
-    offset = torch.zeros((), dtype=torch.int64, device=q.device)
-    return out, lse, None, None, q.shape[-2], k.shape[-2], seed, offset, None
+    return out, lse, None, None, q.shape[-2], k.shape[-2], seed, _zero_offset(), None
 
 
 @impl("_scaled_dot_product_fused_attention_overrideable_backward")
