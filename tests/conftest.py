@@ -29,3 +29,43 @@ def metrics():
 @pytest.fixture
 def tpu():
     return torch.device("tpu")
+
+
+# --- Ray ---
+# (section owned by ray_integration; see docs/ray.md.) One local Ray head for the whole session, started on
+# first use: tests that need Ray take `ray_head` (addresses only) or `ray_driver` (this process connected).
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    """A local Ray head for the session: yields a ``ray_integration.LocalHead``.
+
+    ``.address`` is the GCS address (``ray.init(address=...)``), ``.dashboard_url`` the job server
+    (``ray job submit --address``/``JobSubmissionClient``), ``.run_dir`` its RAY_TMPDIR. 4 logical CPUs,
+    80 MB object store, auth disabled; only the processes it started are stopped at the end.
+    """
+    import shutil
+    import tempfile
+
+    from ray_integration import local_head
+
+    run_dir = tempfile.mkdtemp(prefix="rt_", dir="/tmp")  # short: Ray's unix sockets live under it
+    try:
+        with local_head(run_dir, num_cpus=4, object_store_memory=80 * 1024**2) as head:
+            yield head
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_driver(ray_head):
+    """This test process connected to ``ray_head`` as a Ray driver (``ray.init`` once per session)."""
+    import ray
+
+    from ray_integration import connect
+
+    connect(ray_head.address)
+    try:
+        yield ray_head
+    finally:
+        ray.shutdown()

@@ -41,9 +41,6 @@ _fallback.install()
 from . import serialization as _serialization  # noqa: E402
 
 _serialization.install()
-from . import serialization as _serialization  # noqa: E402
-
-_serialization.install()
 
 if os.environ.get("TORCHTPU_COMPILATION_CACHE_DIR"):
     enable_persistent_cache(os.environ["TORCHTPU_COMPILATION_CACHE_DIR"])
@@ -74,3 +71,7 @@ __all__ = [
     "synchronize",
     "to_jax",
 ]
+
+from . import distributed as _distributed  # noqa: E402
+
+_distributed.register()  # the "tpu" torch.distributed backend

@@ -63,6 +63,9 @@ class Node:
 # ---------------------------------------------------------------- pending state
 _pending: list[Node] = []
 _ext: list = []  # concrete inputs of the pending graph, in slot order
+# id(buffer) -> its slot: a tensor buffer read by several ops is ONE input (fewer arguments,
+# and an old parameter read by the forward and the optimizer can still be donated)
+_ext_slot: dict = {}
 _owners: list = []  # weakrefs to StorageData that were handed a LazyBuf
 _graph_cache: dict = {}
 MAX_PENDING = int(os.environ.get("TORCHTPU_MAX_PENDING_OPS", "4096"))
@@ -90,30 +93,56 @@ def register_owner(sd) -> None:
     _owners.append(weakref.ref(sd))
 
 
+_internal_code: dict = {}  # code object -> is it torch's or torchtpu's (decided once per code object)
+
+
 def _user_site():
-    """(file, line, function) of the first frame outside torch/torchtpu."""
+    """(file, line, function) of the first frame outside torch/torchtpu.
+
+    Only (file, line, name) is kept, never the frame: a frame would keep its
+    locals (tensors) alive until the flush."""
     f = sys._getframe(2)
+    internal = _internal_code
     while f is not None:
-        fn = f.f_code.co_filename
-        if "/torch/" not in fn and "/torchtpu/" not in fn:
-            return (fn, f.f_lineno, f.f_code.co_name)
+        c = f.f_code
+        inside = internal.get(c)
+        if inside is None:
+            fn = c.co_filename
+            inside = "/torch/" in fn or "/torchtpu/" in fn
+            if len(internal) < 65536:
+                internal[c] = inside
+        if not inside:
+            return (c.co_filename, f.f_lineno, c.co_name)
         f = f.f_back
     return None
 
 
-def record(fn, inputs, out_numels, name, token):
-    """Append a node; returns its pending output buffers."""
+def record(fn, inputs, out_numels, name, token, nbufs=0):
+    """Append a node; returns its pending output buffers.
+
+    The first ``nbufs`` inputs are tensor buffers (shared when the same array is
+    read twice); the rest are scalars, always their own slot: equal python
+    scalars share a cached array, and which ones happen to be equal must not
+    change the graph's structure from step to step."""
     site = _user_site()
     with _lock:
         ins = []
-        for x in inputs:
+        slots = _ext_slot
+        for i, x in enumerate(inputs):
             if type(x) is LazyBuf:
                 if x.value is None:
                     ins.append((x.node.pos, x.index))
                     continue
                 x = x.value
-            ins.append(len(_ext))
-            _ext.append(x)
+            if i < nbufs:
+                slot = slots.get(id(x))
+                if slot is None:
+                    slot = slots[id(x)] = len(_ext)  # _ext keeps x alive, so its id stays its own
+                    _ext.append(x)
+                ins.append(slot)
+            else:
+                ins.append(len(_ext))
+                _ext.append(x)
         node = Node((fn, tuple(ins)), len(_pending), name, site)
         _pending.append(node)
         n = len(_pending)
@@ -175,6 +204,7 @@ def flush(reason: str, keep=()) -> None:
             return
         nodes, owners, ext = _pending, _owners, _ext
         _pending, _owners, _ext = [], [], []
+        _ext_slot.clear()
         _prefix[:] = [0]
         _last_pos.clear()
         metrics.record_flush(reason)
@@ -194,19 +224,29 @@ def flush(reason: str, keep=()) -> None:
         spec = tuple(n.spec for n in nodes)
         outs = tuple((b.node.pos, b.index) for b in live)
         donate = _donatable(ext)
-        key = (spec, outs, donate)
-        fused = _graph_cache.get(key)
-        if fused is None:
-            fused = jax.jit(_make_graph_fn(spec, outs, nodes), donate_argnums=donate)
-            _graph_cache[key] = fused
-            site = next((n.site for n in nodes if n.site is not None), None)
-            where = f"{site[0]}:{site[1]}" if site else "unknown"
-            metrics.record_miss(f"fused graph from {where}")
+        # the buffers' own shapes and types too: an executable takes exactly the avals it was built for
+        avals = tuple([(a.shape, a.dtype, a.weak_type) if type(a) is _ARRAY
+                       else (type(a), getattr(a, "shape", None), getattr(a, "dtype", None)) for a in ext])
+        key = (spec, outs, donate, avals)
         try:
-            with warnings.catch_warnings():
-                # XLA may decline a donation (e.g. no output of that shape): harmless
-                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-                results = fused(*ext)
+            hit = _graph_cache.get(key)
+            if hit is None:
+                with warnings.catch_warnings():
+                    # XLA may decline a donation (e.g. no output of that shape): harmless
+                    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                    jitted = jax.jit(_make_graph_fn(spec, outs, nodes), donate_argnums=donate)
+                    compiled = jitted.lower(*ext).compile()
+                hit = (compiled, _transient_bytes(compiled))
+                _graph_cache[key] = hit
+                site = next((n.site for n in nodes if n.site is not None), None)
+                where = f"{site[0]}:{site[1]}" if site else "unknown"
+                metrics.record_miss(f"fused graph from {where}")
+            fused, transient = hit
+            # the device also holds this graph's temporaries and outputs while it runs
+            from .storage import MEMORY  # (storage imports this module)
+
+            MEMORY.note_transient(transient)
+            results = fused(*ext)
             del ext
         except Exception as e:
             _annotate(e, nodes)
@@ -218,6 +258,16 @@ def flush(reason: str, keep=()) -> None:
             b = sd._buf
             if b.value is not None:
                 sd.buf = b.value
+
+
+def _transient_bytes(compiled) -> int:
+    """Bytes a run of ``compiled`` needs beyond its (already counted) inputs: XLA's own
+    buffer assignment of temporaries and outputs, less outputs written into donated inputs."""
+    try:
+        m = compiled.memory_analysis()
+        return max(0, int(m.temp_size_in_bytes) + int(m.output_size_in_bytes) - int(m.alias_size_in_bytes))
+    except Exception:  # a backend without memory analysis: only materialized buffers are counted
+        return 0
 
 
 def _donatable(ext):

@@ -6,7 +6,8 @@ CPU, so the same initial weights can be compared across devices) and moved with
 ``.to(device)``.
 
 - :class:`TinyTransformer`: a decoder-only language model with the Hugging Face
-  call shape ``forward(input_ids, attention_mask=None) -> logits``.
+  call shape ``forward(input_ids, attention_mask=None) -> logits``, and an
+  optional static :class:`KVCache` for incremental decoding.
 - :class:`DLRMStyleMLP`: dense features through a bottom MLP, pooled sparse
   embedding bags, pairwise dot interaction, top MLP, one logit per sample.
 """
@@ -22,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = [
+    "KVCache",
     "TransformerConfig",
     "TinyTransformer",
     "DLRMConfig",
@@ -82,6 +84,38 @@ def apply_rope(x, cos, sin):
     return x * cos + _rotate_half(x) * sin
 
 
+class KVCache:
+    """Static key/value buffers for incremental decoding, one (B, H, S, hd) pair per layer.
+
+    Static (preallocated to ``max_len`` slots, written in place at ``cache_position``) rather
+    than grown by concatenation, so every decode step has the same shapes: one compiled program
+    per (batch, max_len), as Hugging Face's ``StaticCache`` does for XLA. Make one with
+    :meth:`TinyTransformer.init_kv_cache`.
+    """
+
+    def __init__(self, keys, values):
+        if len(keys) != len(values):
+            raise ValueError("KVCache: keys and values need one buffer per layer each")
+        self.keys = list(keys)
+        self.values = list(values)
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].shape[2]
+
+    def __len__(self):
+        return len(self.keys)
+
+    def reset(self) -> None:
+        """Zero the buffers (stale slots are masked anyway; this is for hygiene between uses)."""
+        for t in self.keys + self.values:
+            t.zero_()
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -91,7 +125,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
-    def forward(self, x, cos=None, sin=None, attn_mask=None):
+    def forward(self, x, cos=None, sin=None, attn_mask=None, cache=None, cache_position=None):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
@@ -101,6 +135,13 @@ class Attention(nn.Module):
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
         p = self.dropout if self.training else 0.0
+        if cache is not None:
+            # write this chunk's keys/values into their slots, attend over every slot
+            # (attn_mask hides the slots not written yet and padding)
+            k_buf, v_buf = cache
+            k_buf.index_copy_(2, cache_position, k.to(k_buf.dtype))
+            v_buf.index_copy_(2, cache_position, v.to(v_buf.dtype))
+            k, v = k_buf, v_buf
         if attn_mask is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
@@ -131,8 +172,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cos=None, sin=None, attn_mask=None):
-        x = x + self.drop(self.attn(self.ln1(x), cos, sin, attn_mask))
+    def forward(self, x, cos=None, sin=None, attn_mask=None, cache=None, cache_position=None):
+        x = x + self.drop(self.attn(self.ln1(x), cos, sin, attn_mask, cache, cache_position))
         return x + self.mlp(self.ln2(x))
 
 
@@ -173,16 +214,6 @@ class TinyTransformer(nn.Module):
             if name.endswith("proj.weight") or name.endswith("mlp.out.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
 
-    def _apply(self, fn, *args, **kwargs):
-        # Module.to() between devices whose tensors torch cannot shallow-copy into each
-        # other (cpu <-> a PrivateUse1 device such as tpu) makes a new Parameter per
-        # module, which unties shared weights; tie them again (as Hugging Face's
-        # tie_weights() does after a device move)
-        super()._apply(fn, *args, **kwargs)
-        if self.config.tie_embeddings and self.lm_head.weight is not self.tok_emb.weight:
-            self.lm_head.weight = self.tok_emb.weight
-        return self
-
     @staticmethod
     def _init_weights(m):
         if isinstance(m, nn.Linear):
@@ -192,12 +223,49 @@ class TinyTransformer(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
+    def init_kv_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> KVCache:
+        """An empty :class:`KVCache` of ``max_len`` slots (at most ``max_seq_len``) for
+        ``batch_size`` sequences, on the model's device and dtype unless given."""
+        cfg = self.config
+        if max_len > cfg.max_seq_len:
+            raise ValueError(f"KV cache length {max_len} exceeds max_seq_len {cfg.max_seq_len}")
+        ref = self.tok_emb.weight
+        device = ref.device if device is None else device
+        dtype = ref.dtype if dtype is None else dtype
+        shape = (batch_size, cfg.n_heads, max_len, cfg.d_model // cfg.n_heads)
+        return KVCache([torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)],
+                       [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)])
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, kv_cache=None, cache_position=None):
+        """Logits (B, T, vocab) of ``input_ids`` (B, T).
+
+        With ``kv_cache`` (a :class:`KVCache`), the T tokens are written to the cache slots
+        ``cache_position`` (T,) (default ``0..T-1``: a prefill) and attend to every earlier
+        slot; ``attention_mask`` is then (B, max_len) over the cache's slots (Hugging Face's
+        convention: past and current tokens), 1 where a slot holds a real token, and the
+        positions of the new tokens count the real slots before them.
+        """
+        return self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids, kv_cache, cache_position))
+
+    def hidden_states(self, input_ids, attention_mask=None, position_ids=None, kv_cache=None, cache_position=None):
+        """The final normalized hidden states (B, T, d_model) that ``lm_head`` reads (value heads
+        read them too); arguments as :meth:`forward`."""
         B, T = input_ids.shape
+        if kv_cache is not None:
+            return self._forward_cached(input_ids, attention_mask, position_ids, kv_cache, cache_position)
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.config.max_seq_len}")
         if position_ids is None and attention_mask is not None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        x, cos, sin = self._embed(input_ids, position_ids, T)
+        attn_mask = None
+        if attention_mask is not None:
+            attn_mask = self._attention_bias(attention_mask.bool(), T, x.device)
+        for block in self.blocks:
+            x = block(x, cos, sin, attn_mask)
+        return self.ln_f(x)
+
+    def _embed(self, input_ids, position_ids, T):
         x = self.tok_emb(input_ids)
         cos = sin = None
         if self.config.positions == "learned":
@@ -211,13 +279,45 @@ class TinyTransformer(nn.Module):
             else:
                 cos = self.rope_cos[position_ids].unsqueeze(1)  # (B, 1, T, hd)
                 sin = self.rope_sin[position_ids].unsqueeze(1)
-        x = self.drop(x)
-        attn_mask = None
-        if attention_mask is not None:
-            attn_mask = self._attention_bias(attention_mask.bool(), T, x.device)
-        for block in self.blocks:
-            x = block(x, cos, sin, attn_mask)
-        return self.lm_head(self.ln_f(x))
+        return self.drop(x), cos, sin
+
+    def _forward_cached(self, input_ids, attention_mask, position_ids, cache, cache_position):
+        B, T = input_ids.shape
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"kv_cache must be a KVCache (see init_kv_cache), not {type(cache).__name__}")
+        if len(cache) != len(self.blocks):
+            raise ValueError(f"kv_cache has {len(cache)} layers, the model {len(self.blocks)}")
+        S = cache.max_len
+        if cache.batch_size != B:
+            raise ValueError(f"kv_cache is for batch {cache.batch_size}, input_ids has batch {B}")
+        dev = input_ids.device
+        if cache_position is None:
+            if T > S:
+                raise ValueError(f"{T} tokens do not fit a KV cache of {S} slots")
+            cache_position = torch.arange(T, device=dev)
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, S):
+            raise ValueError(f"with a kv_cache, attention_mask must be (batch, cache slots) = {(B, S)}, "
+                             f"not {tuple(attention_mask.shape)}")
+        slots = torch.arange(S, device=dev)
+        # query t sees slots <= its own slot (causal in slot order), and of those only real ones;
+        # its own slot always, so a padding query never has every key masked (NaN)
+        causal = slots[None, :] <= cache_position[:, None]  # (T, S)
+        own = slots[None, :] == cache_position[:, None]
+        if attention_mask is None:
+            attn_mask = causal[None, None]
+        else:
+            key_mask = attention_mask.bool()
+            attn_mask = ((causal[None] & key_mask[:, None, :]) | own[None])[:, None]  # (B, 1, T, S)
+            if position_ids is None:
+                # a token's position = real slots before it (left padding does not count)
+                before = attention_mask.long().cumsum(-1) - 1
+                position_ids = before.index_select(1, cache_position).clamp(min=0)
+        if position_ids is None:
+            position_ids = cache_position[None].expand(B, T)
+        x, cos, sin = self._embed(input_ids, position_ids, T)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, attn_mask, (cache.keys[i], cache.values[i]), cache_position)
+        return self.ln_f(x)
 
     @staticmethod
     def _attention_bias(key_mask, T, device):

@@ -220,7 +220,7 @@ class Kernel:
         else:
             metrics.record_hit()
         if runtime.deferring():
-            outs = lazy.record(entry.fn, (*bufs, *dyn), entry.out_numels, self.name, entry.token)
+            outs = lazy.record(entry.fn, (*bufs, *dyn), entry.out_numels, self.name, entry.token, len(bufs))
         else:
             if lazy._pending:  # pending work recorded in another context
                 bufs = [lazy.materialize(b, "materialize") if type(b) is lazy.LazyBuf else b for b in bufs]
@@ -228,6 +228,22 @@ class Kernel:
         return self._wrap(vals, outs, entry)
 
     def _tensor_key(self, t, bufs, dyn):
+        # fast path, a tpu tensor: only tpu storages carry ``_tpu`` (CPU tensors and python
+        # numbers raise AttributeError and take the general path below)
+        try:
+            sd = t.untyped_storage()._tpu
+        except (AttributeError, RuntimeError, TypeError, NotImplementedError):
+            pass
+        else:
+            dt = t.dtype
+            if sd.dtype is not dt:
+                sd.retype(dt)
+            buf = sd._buf
+            bufs.append(buf)
+            return ((t.shape, t.stride(), t.storage_offset()), dt, buf.numel if type(buf) is _LAZYBUF else buf.size)
+        return self._other_key(t, bufs, dyn)
+
+    def _other_key(self, t, bufs, dyn):
         if not isinstance(t, torch.Tensor):
             # a wrapped python number (``x + 1``) arrives unwrapped
             dyn.append(_scalar_array(t))
@@ -510,6 +526,7 @@ def _buffer_index(key, kinds, arg_i, list_pos):
 
 
 _NOBUF = ("cpu0", "num")
+_LAZYBUF = lazy.LazyBuf
 _META_DEVICE = torch.device("meta")
 
 
@@ -572,7 +589,14 @@ def register_all():
     for qual, lowering in list(LOWERINGS.items()):
         op = op_from_name(qual)
         _register_kernel(op, lowering)
-    # derive in-place forms
+    # derive in-place forms; dir(aten) lists only the op packets loaded so far, so load
+    # every aten packet first (or ops like put_ would be missed)
+    for name in torch._C._dispatch_get_all_op_names():
+        if name.startswith("aten::"):
+            try:
+                getattr(aten, name[6:].split(".")[0])
+            except (AttributeError, RuntimeError):
+                pass
     for name in dir(aten):
         if not name.endswith("_") or name.startswith("__"):
             continue

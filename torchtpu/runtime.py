@@ -14,12 +14,18 @@ import os
 import threading
 
 import jax
+import torch
 
 from . import lazy, storage
 
 MODES = ("strict_eager", "defer_and_fuse")
 _state = threading.local()
 _global_mode = None
+# Modes of the ``execution_mode`` blocks now open, innermost last. The autograd
+# engine runs a tpu backward in its own device thread, which has no thread-local
+# mode: without this, ``loss.backward()`` inside a DeferAndFuse block ran strict.
+_scoped: list = []
+_graph_task_id = torch._C._current_graph_task_id
 
 
 def _default_mode():
@@ -36,6 +42,8 @@ def _check(mode):
 def deferring() -> bool:
     """True when ops should be recorded rather than run (on the op path: keep it cheap)."""
     m = getattr(_state, "mode", None)
+    if m is None and _scoped and _graph_task_id() != -1:
+        m = _scoped[-1]  # a backward pass: follow the block that called backward()
     return (m or _global_mode or get_execution_mode()) == "defer_and_fuse"
 
 
@@ -64,11 +72,13 @@ def execution_mode(mode: str):
     lazy.flush("mode_switch")
     prev = getattr(_state, "mode", None)
     _state.mode = mode
+    _scoped.append(mode)
     try:
         yield
     finally:
         lazy.flush("mode_switch")
         _state.mode = prev
+        del _scoped[len(_scoped) - 1 - _scoped[::-1].index(mode)]  # this block's entry (the last equal one)
 
 
 def synchronize() -> None:

@@ -50,6 +50,13 @@ class _MemoryStats:
             if self.allocated > self.peak:
                 self.peak = self.allocated
 
+    def note_transient(self, n):
+        """``n`` bytes held only for a moment on top of what is allocated (a fused graph's
+        temporaries while it runs): they count toward the peak, not the allocation."""
+        with self.lock:
+            if self.allocated + n > self.peak:
+                self.peak = self.allocated + n
+
     def sub(self, n):
         with self.lock:
             self.allocated -= n
@@ -57,6 +64,8 @@ class _MemoryStats:
 
 
 MEMORY = _MemoryStats()
+_LAZYBUF = _lazy.LazyBuf
+_weakref = weakref.ref
 LIVE: "weakref.WeakSet[StorageData]" = weakref.WeakSet()  # for synchronize()
 _ARRAY_TYPES = (type(jnp.zeros(())),)  # the concrete jax array type (fast check)
 
@@ -77,11 +86,16 @@ class StorageData:
     __slots__ = ("_buf", "nbytes", "counted", "dtype", "__weakref__")
 
     def __init__(self, buf, nbytes, dtype):
+        # the ``buf`` setter, inlined: this runs for every op output
         self.nbytes = nbytes
         self.dtype = dtype
-        self.counted = False
-        self._buf = None
-        self.buf = buf
+        self._buf = buf
+        if type(buf) is _LAZYBUF:
+            self.counted = False
+            _lazy._owners.append(_weakref(self))
+        else:
+            self.counted = True
+            MEMORY.add(nbytes)
         LIVE.add(self)
 
     @property

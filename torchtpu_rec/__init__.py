@@ -1,1 +1,42 @@
-"""torchtpu_rec (see issues: not built yet)."""
+"""torchtpu_rec: TorchRec embedding tables on TPU SparseCore.
+
+- :mod:`torchtpu_rec.tables`: :class:`TableSpec`, :class:`OptimizerSpec`, stacking, MOD row sharding.
+- :mod:`torchtpu_rec.preprocess`: KeyedJaggedTensor -> fixed-size per-SparseCore buffers.
+- :mod:`torchtpu_rec.embedding`: :class:`SparseCoreEmbeddingBagCollection` (pooled, KJT -> KeyedTensor)
+  and :class:`SparseCoreEmbeddingCollection` (sequence, KJT -> dict of JaggedTensor), with the
+  optimizer fused into the backward (the tables update in place; no table gradient).
+"""
+
+from __future__ import annotations
+
+import torchtpu  # noqa: F401  (registers the tpu device)
+
+from .embedding import SparseCoreEmbeddingBagCollection, SparseCoreEmbeddingCollection
+from .preprocess import CoreBuffers, PreprocessedBatch, RecCounters, default_policy
+from .tables import (
+    OPTIMIZERS,
+    SPARSECORES_PER_CHIP,
+    OptimizerSpec,
+    StackedTable,
+    TableSpec,
+    num_sparsecores,
+    physical_rows,
+    stack_tables,
+)
+
+__all__ = [
+    "OPTIMIZERS",
+    "SPARSECORES_PER_CHIP",
+    "CoreBuffers",
+    "OptimizerSpec",
+    "PreprocessedBatch",
+    "RecCounters",
+    "SparseCoreEmbeddingBagCollection",
+    "SparseCoreEmbeddingCollection",
+    "StackedTable",
+    "TableSpec",
+    "default_policy",
+    "num_sparsecores",
+    "physical_rows",
+    "stack_tables",
+]

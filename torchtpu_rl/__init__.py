@@ -1,1 +1,90 @@
-"""torchtpu_rl (see issues: not built yet)."""
+"""torchtpu_rl: RL post-training of language-model policies on tpu.
+
+Single-process core: the policy interface (:mod:`.policy`), batched generation
+with a KV cache and bucketed shapes (:mod:`.rollout`), GRPO/PPO losses and
+estimators (:mod:`.algorithms`) and the learner (:mod:`.learner`). On Ray:
+rollout / learner / reward actors (:mod:`.workers`), versioned bucketed weight
+sync (:mod:`.weight_sync`), the driver loop (:mod:`.driver`) and checkpoints
+(:mod:`.checkpoint`).
+"""
+
+from . import algorithms
+from .algorithms import (
+    agg_loss,
+    gae,
+    grpo_advantages,
+    kl_estimate,
+    masked_mean,
+    masked_whiten,
+    policy_loss,
+    truncated_is_weights,
+    value_loss,
+)
+from .learner import Learner
+from .policy import (
+    ValueModel,
+    clone_policy,
+    get_logits,
+    make_policy,
+    policy_logits,
+    sequence_logprobs,
+    supports_kv_cache,
+    token_logprobs,
+)
+from .rollout import RolloutBatch, RolloutEngine, SamplingParams, sample_from_logits
+from . import checkpoint, driver, weight_sync, workers  # noqa: E402  (import ray)
+from .driver import PromptDataset, RewardError, RLDriver, ray_session  # noqa: E402
+from .weight_sync import (  # noqa: E402
+    BucketPlan,
+    WeightReceiver,
+    WeightSender,
+    WeightUpdate,
+    plan_buckets,
+    tensor_checksums,
+)
+from .workers import LearnerWorker, RewardModelActor, RolloutWorker, Topology, make_topology  # noqa: E402
+
+__all__ = [
+    "BucketPlan",
+    "Learner",
+    "LearnerWorker",
+    "PromptDataset",
+    "RLDriver",
+    "RewardError",
+    "RewardModelActor",
+    "RolloutWorker",
+    "Topology",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightUpdate",
+    "checkpoint",
+    "driver",
+    "make_topology",
+    "plan_buckets",
+    "ray_session",
+    "tensor_checksums",
+    "weight_sync",
+    "workers",
+    "RolloutBatch",
+    "RolloutEngine",
+    "SamplingParams",
+    "ValueModel",
+    "agg_loss",
+    "algorithms",
+    "clone_policy",
+    "gae",
+    "get_logits",
+    "grpo_advantages",
+    "kl_estimate",
+    "make_policy",
+    "masked_mean",
+    "masked_whiten",
+    "policy_logits",
+    "policy_loss",
+    "sample_from_logits",
+    "sequence_logprobs",
+    "supports_kv_cache",
+    "token_logprobs",
+    "truncated_is_weights",
+    "value_loss",
+]

@@ -229,42 +229,10 @@ def _tname(dt):
             torch.bool: "Bool", torch.bfloat16: "BFloat16", torch.float16: "Half"}.get(dt, str(dt))
 
 
-def _load_all_aten_packets():
-    """``dir(torch.ops.aten)`` lists only the op packets loaded so far; load them all so
-    that the registry's in-place / out= derivation sees every op (e.g. ``put_``)."""
-    for name in torch._C._dispatch_get_all_op_names():
-        if name.startswith("aten::"):
-            try:
-                getattr(aten, name[6:].split(".")[0])
-            except (AttributeError, RuntimeError):
-                pass
-
-
-def _derive_inplace_forms():
-    """The registry's in-place derivation, over every aten op (see above)."""
-    for name in dir(aten):
-        if not name.endswith("_") or name.startswith("__"):
-            continue
-        packet = getattr(aten, name)
-        for overload in packet.overloads():
-            op = getattr(packet, overload)
-            if _qual(op) in registry._registered:
-                continue
-            fop = registry._functional_of(op)
-            if fop is None:
-                continue
-            low = registry.LOWERINGS.get(_qual(fop))
-            if low is not None:
-                registry._register_kernel(op, low, functional=fop)
-
-
 def register_decompositions() -> list[str]:
     """Register a decomposition kernel for every aten op that would otherwise fall back."""
     from torch._decomp import decomposition_table
 
-    _load_all_aten_packets()
-    _derive_inplace_forms()
-    registry._register_out_variants()
     added = []
     for op, decomposition in list(decomposition_table.items()):
         if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":

@@ -1,0 +1,242 @@
+"""Sharding an ``EmbeddingBagCollection`` onto tpu: TorchRec's ShardedEmbeddingBagCollection with tpu kernels.
+
+What changes against TorchRec's own CPU/CUDA path, and why:
+
+* each sharding type (TW, RW, CW, TWRW, DP) is TorchRec's own class, subclassed so that
+  ``create_lookup`` returns the tpu lookup (``kernel.TPUGroupedPooledEmbeddingsLookup``) and
+  ``create_input_dist`` keeps the sparse features (ids, lengths, weights) on the host: the KJT
+  all-to-all (lengths, then ids) runs through the process group on host tensors, the bucketization
+  of row-wise sharding runs with fbgemm's CPU ops, and the lookup preprocesses the ids on the host,
+  as SparseCore's preprocessing does. The pooled embeddings (tpu tensors) go through the output dist
+  (all-to-all / reduce-scatter) on tpu tensors.
+* ``ShardedEmbeddingBagCollection.create_embedding_bag_sharding`` (a classmethod, TorchRec's hook for
+  this) picks the subclasses; the feature-order permute tensor is kept on the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Type
+
+import torch
+from torch.distributed.remote_device import _remote_device
+from torch.nn.parallel import DistributedDataParallel
+
+from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+)
+from torchrec.distributed.sharding.cw_sharding import CwPooledEmbeddingSharding
+from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
+from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
+from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
+from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from .kernel import TPU_COMPUTE_KERNELS, TPUGroupedPooledEmbeddingsLookup
+
+HOST = torch.device("cpu")
+
+TPU_SHARDING_TYPES = [
+    ShardingType.DATA_PARALLEL.value,
+    ShardingType.TABLE_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.ROW_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+]
+
+
+def _is_tpu(device: Optional[torch.device]) -> bool:
+    return device is not None and device.type == "tpu"
+
+
+def tpu_placements(params: Dict[str, ParameterSharding]) -> Dict[str, ParameterSharding]:
+    """Point every shard placement at ``tpu:0`` of its rank (in place; returns ``params``).
+
+    TorchRec's plan helpers and planner write ``rank:r/tpu`` for a device type they do not know
+    (``rank:r/cuda:r`` for cuda); a process here owns exactly one tpu, ``tpu:0``, and ShardedTensor
+    insists the placement device equals the local tensor's device.
+    """
+    for ps in params.values():
+        spec = ps.sharding_spec
+        for shard in getattr(spec, "shards", None) or []:
+            pl = shard.placement
+            if pl is not None and pl.device().type == "tpu":
+                shard.placement = _remote_device(f"rank:{pl.rank()}/tpu:0")
+    return params
+
+
+class _PooledTPUMixin:
+    """create_input_dist on the host, create_lookup with tpu kernels."""
+
+    def create_input_dist(self, device: Optional[torch.device] = None):
+        return super().create_input_dist(device=HOST)
+
+    def _tpu_grouped_configs(self):
+        return self._grouped_embedding_configs
+
+    def create_lookup(self, device: Optional[torch.device] = None, fused_params: Optional[Dict[str, Any]] = None,
+                      feature_processor=None):
+        return TPUGroupedPooledEmbeddingsLookup(
+            grouped_configs=self._tpu_grouped_configs(),
+            pg=self._pg,
+            device=device if device is not None else self._device,
+            feature_processor=feature_processor,
+            sharding_type=self._sharding_type_for_lookup,
+            env=self._env,
+        )
+
+
+class TPUTwPooledEmbeddingSharding(_PooledTPUMixin, TwPooledEmbeddingSharding):
+    _sharding_type_for_lookup = ShardingType.TABLE_WISE
+
+
+class TPURwPooledEmbeddingSharding(_PooledTPUMixin, RwPooledEmbeddingSharding):
+    _sharding_type_for_lookup = ShardingType.ROW_WISE
+
+
+class TPUCwPooledEmbeddingSharding(_PooledTPUMixin, CwPooledEmbeddingSharding):
+    _sharding_type_for_lookup = ShardingType.COLUMN_WISE
+
+
+class TPUTwRwPooledEmbeddingSharding(_PooledTPUMixin, TwRwPooledEmbeddingSharding):
+    _sharding_type_for_lookup = ShardingType.TABLE_ROW_WISE
+
+    def _tpu_grouped_configs(self):
+        return self._grouped_embedding_configs_per_rank[self._rank]
+
+
+class TPUDpPooledEmbeddingSharding(DpPooledEmbeddingSharding):
+    """Replicated tables: DENSE tpu kernel, gradients all-reduced by the DDP TorchRec wraps it in."""
+
+    def create_lookup(self, device: Optional[torch.device] = None, fused_params: Optional[Dict[str, Any]] = None,
+                      feature_processor=None):
+        return TPUGroupedPooledEmbeddingsLookup(
+            grouped_configs=self._grouped_embedding_configs,
+            pg=self._env.process_group,
+            device=device if device is not None else self._device,
+            feature_processor=feature_processor,
+            scale_weight_gradients=False,  # as TorchRec: DDP averages the replicas' gradients
+            sharding_type=ShardingType.DATA_PARALLEL,
+            env=self._env,
+        )
+
+
+class TPUShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """ShardedEmbeddingBagCollection whose shards' tables live on tpu."""
+
+    @classmethod
+    def create_embedding_bag_sharding(
+        cls,
+        sharding_infos: List[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        permute_embeddings: bool = False,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> EmbeddingSharding:
+        sharding_type = sharding_infos[0].param_sharding.sharding_type
+        for info in sharding_infos:
+            if info.param_sharding.compute_kernel not in TPU_COMPUTE_KERNELS:
+                raise ValueError(
+                    f"torchtpu_rec: table '{info.embedding_config.name}' has compute kernel "
+                    f"'{info.param_sharding.compute_kernel}', not supported on tpu (use one of {TPU_COMPUTE_KERNELS})")
+        kw = dict(qcomm_codecs_registry=qcomm_codecs_registry)
+        if sharding_type == ShardingType.TABLE_WISE.value:
+            return TPUTwPooledEmbeddingSharding(sharding_infos, env, device, **kw)
+        if sharding_type == ShardingType.ROW_WISE.value:
+            return TPURwPooledEmbeddingSharding(sharding_infos, env, device, **kw)
+        if sharding_type == ShardingType.COLUMN_WISE.value:
+            return TPUCwPooledEmbeddingSharding(sharding_infos, env, device, permute_embeddings=permute_embeddings, **kw)
+        if sharding_type == ShardingType.TABLE_ROW_WISE.value:
+            return TPUTwRwPooledEmbeddingSharding(sharding_infos, env, device, **kw)
+        if sharding_type == ShardingType.DATA_PARALLEL.value:
+            return TPUDpPooledEmbeddingSharding(sharding_infos, env, device)
+        raise ValueError(f"torchtpu_rec: sharding type '{sharding_type}' is not supported on tpu "
+                         f"(supported: {TPU_SHARDING_TYPES})")
+
+    def _apply(self, fn, recurse=True):
+        # The sharder placed every tensor of this module on its rank's tpu. DMP's DDP wrap calls
+        # .to(device) on the whole model; with tpu's swap-on-conversion, re-wrapping a
+        # TableBatchedEmbeddingSlice parameter fails ("detach() returns Tensor"), so this module's
+        # tensors stay where they are (sharded modules are not moved by .to(); reshard instead).
+        return self
+
+    def init_data_parallel(self) -> None:
+        # TorchRec wraps data-parallel lookups in DDP(static_graph=True); the static-graph reducer asks the
+        # PrivateUse1 hooks for a pinned host allocator, which a Python backend cannot provide (torch 2.13),
+        # so tpu replicas use a plain DDP (same gradients, averaged over the group).
+        for i, (sharding, lookup) in enumerate(zip(self._embedding_shardings, self._lookups)):
+            if isinstance(sharding, DpPooledEmbeddingSharding):
+                self._lookups[i] = DistributedDataParallel(
+                    module=lookup, device_ids=None, process_group=self._env.process_group,
+                    gradient_as_bucket_view=True, broadcast_buffers=True, static_graph=False)
+
+    def _create_input_dist(self, input_feature_names: List[str]) -> None:
+        # TorchRec puts the feature-order tensor on the compute device; the features stay on the host here.
+        device, self._device = self._device, HOST
+        try:
+            super()._create_input_dist(input_feature_names)
+        finally:
+            self._device = device
+
+    def _init_mean_pooling_callback(self, input_feature_names, inverse_indices) -> None:
+        # the divisor of mean pooling (RW/TWRW) is computed from the host-side lengths
+        device, self._device = self._device, HOST
+        try:
+            super()._init_mean_pooling_callback(input_feature_names, inverse_indices)
+        finally:
+            self._device = device
+
+    def input_dist(self, ctx, features):
+        if isinstance(features, KeyedJaggedTensor) and features.values().device.type != "cpu":
+            features = features.to(HOST)
+        dim_per_key = self._dim_per_key
+        if dim_per_key is not None and dim_per_key.device.type != "cpu":
+            self._dim_per_key = dim_per_key.cpu()  # used with the host lengths for the mean divisor
+        try:
+            awaitable = super().input_dist(ctx, features)
+        finally:
+            self._dim_per_key = dim_per_key
+        if getattr(ctx, "divisor", None) is not None and ctx.divisor.device != self._device:
+            ctx.divisor = ctx.divisor.to(self._device)  # applied to the pooled (tpu) embeddings
+        return awaitable
+
+
+class TPUEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """Shards ``EmbeddingBagCollection`` onto tpu (DMP with ``device=torch.device("tpu")``).
+
+    ``fused_params`` carries the fused optimizer of FUSED tables (``optimizer``: an fbgemm
+    ``EmbOptimType`` or its name: sgd, adagrad, rowwise_adagrad, adam; ``learning_rate``, ``eps``,
+    ``beta1``, ``beta2``, ``weight_decay``), as for TorchRec's own sharders; tables given an optimizer
+    with ``torchrec.optim.apply_optimizer_in_backward`` use that one.
+    """
+
+    def shard(self, module: EmbeddingBagCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
+              device: Optional[torch.device] = None, module_fqn: Optional[str] = None
+              ) -> ShardedEmbeddingBagCollection:
+        if not _is_tpu(device):
+            raise ValueError(f"TPUEmbeddingBagCollectionSharder shards onto tpu; got device={device} "
+                             "(use torchrec's own EmbeddingBagCollectionSharder for cpu/cuda)")
+        return TPUShardedEmbeddingBagCollection(
+            module=module, table_name_to_parameter_sharding=tpu_placements(params), env=env, fused_params=self.fused_params,
+            device=device, qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite)
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        if compute_device_type == "tpu":
+            return list(TPU_SHARDING_TYPES)
+        return super().sharding_types(compute_device_type)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        if compute_device_type == "tpu":
+            if sharding_type == ShardingType.DATA_PARALLEL.value:
+                return [EmbeddingComputeKernel.DENSE.value]
+            return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
+        return super().compute_kernels(sharding_type, compute_device_type)
+
+    @property
+    def sharded_module_type(self) -> Type[ShardedEmbeddingBagCollection]:
+        return TPUShardedEmbeddingBagCollection

@@ -1,0 +1,110 @@
+"""TorchRec's planner taught ``tpu``: topology, per-chip HBM, the tpu sharders' sharding types.
+
+torchrec 1.8 hard-codes its compute devices (``Topology`` asserts cpu/cuda/mtia; the storage and perf
+estimators and the storage reservation count HBM only for ``{"cuda", "mtia"}``). A TPU chip is an
+HBM accelerator like those, so:
+
+* :class:`TPUTopology` is a ``Topology`` built with HBM per chip (by TPU generation, or given) and
+  answers ``compute_device == "tpu"``: the enumerator asks the sharders for their tpu sharding types
+  and kernels, and the plan's placements name ``tpu`` (normalized to ``rank:r/tpu:0`` by the sharders);
+* the estimators and the storage reservation see the same topology as an HBM device (their cost
+  model for "cuda": HBM storage and bandwidth), through :func:`_hbm_view`;
+* :class:`TPUEmbeddingShardingPlanner` wires these together; :func:`plan_for_tpu` is the one-call
+  helper (a collective plan: every rank gets rank 0's plan).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, List, Optional
+
+import torch.distributed as dist
+from torch import nn
+
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+
+from .embeddingbag import TPUEmbeddingBagCollectionSharder, tpu_placements
+
+# HBM per chip (bytes) by TPU generation (public specs)
+TPU_HBM_BYTES = {
+    "v4": 32 * 1024**3,
+    "v5e": 16 * 1024**3,
+    "v5p": 95 * 1024**3,
+    "v6e": 32 * 1024**3,
+    "v7": 192 * 1024**3,
+}
+# SparseCores per chip (DESIGN.md)
+SPARSECORES_PER_CHIP = {"v5p": 4, "v6e": 2, "v7": 2}
+
+
+class TPUTopology(Topology):
+    """A torchrec ``Topology`` of ``world_size`` TPU chips (one process per chip).
+
+    ``hbm_cap``: bytes of HBM per chip (default: by ``generation``). ``ddr_cap``: host memory per
+    process. ``local_world_size``: chips per host (default: all on one host).
+    """
+
+    def __init__(self, world_size: int, generation: str = "v5p", hbm_cap: Optional[int] = None,
+                 ddr_cap: Optional[int] = None, local_world_size: Optional[int] = None, **kwargs):
+        if hbm_cap is None:
+            if generation not in TPU_HBM_BYTES:
+                raise ValueError(f"TPUTopology: unknown TPU generation '{generation}' "
+                                 f"(known: {sorted(TPU_HBM_BYTES)}); pass hbm_cap=")
+            hbm_cap = TPU_HBM_BYTES[generation]
+        # built as an HBM device (torchrec's only HBM path), then named tpu
+        super().__init__(world_size=world_size, compute_device="cuda", hbm_cap=hbm_cap, ddr_cap=ddr_cap,
+                         local_world_size=local_world_size, **kwargs)
+        self._compute_device = "tpu"
+        self.generation = generation
+
+
+def _hbm_view(topology: Topology) -> Topology:
+    """The same topology as torchrec's HBM cost model sees an accelerator (compute_device 'cuda')."""
+    view = copy.copy(topology)
+    view._compute_device = "cuda"
+    return view
+
+
+class _TPUStorageReservation(HeuristicalStorageReservation):
+    def reserve(self, topology, batch_size, module, sharders, constraints=None, **kwargs):
+        reserved = super().reserve(_hbm_view(topology), batch_size, module, sharders, constraints, **kwargs)
+        reserved._compute_device = topology.compute_device
+        return reserved
+
+
+class TPUEmbeddingShardingPlanner(EmbeddingShardingPlanner):
+    """TorchRec's EmbeddingShardingPlanner over a :class:`TPUTopology`."""
+
+    def __init__(self, topology: TPUTopology, batch_size: int = 512,
+                 constraints: Optional[Dict[str, ParameterConstraints]] = None, **kwargs):
+        if topology.compute_device != "tpu":
+            raise ValueError("TPUEmbeddingShardingPlanner needs a TPUTopology")
+        hbm = _hbm_view(topology)
+        enumerator = EmbeddingEnumerator(
+            topology=topology, batch_size=batch_size, constraints=constraints,
+            estimator=[EmbeddingPerfEstimator(topology=hbm, constraints=constraints),
+                       EmbeddingStorageEstimator(topology=hbm, constraints=constraints)])
+        super().__init__(topology=topology, batch_size=batch_size, enumerator=enumerator,
+                         storage_reservation=_TPUStorageReservation(percentage=0.15),
+                         constraints=constraints, **kwargs)
+
+
+def plan_for_tpu(module: nn.Module, sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
+                 world_size: Optional[int] = None, pg: Optional[dist.ProcessGroup] = None,
+                 constraints: Optional[Dict[str, ParameterConstraints]] = None, batch_size: int = 512,
+                 **topology_kwargs) -> ShardingPlan:
+    """A sharding plan for ``module`` on ``world_size`` tpu chips (a collective when ``pg`` is given)."""
+    sharders = sharders if sharders is not None else [TPUEmbeddingBagCollectionSharder()]
+    if world_size is None:
+        world_size = dist.get_world_size(pg) if dist.is_initialized() else 1
+    planner = TPUEmbeddingShardingPlanner(TPUTopology(world_size, **topology_kwargs), batch_size=batch_size,
+                                          constraints=constraints)
+    plan = planner.collective_plan(module, sharders, pg) if pg is not None else planner.plan(module, sharders)
+    for module_plan in plan.plan.values():
+        tpu_placements(module_plan)
+    return plan

@@ -1,0 +1,366 @@
+"""The Ray actors of an RL run: rollout workers, the learner, a reward-model actor.
+
+Each class here is a plain Python class; :func:`make_topology` turns them into
+Ray actors (``num_cpus=0``: the host's chips, not its CPU slots, are the scarce
+resource, as ray_integration's slice placement assumes). Every actor builds its
+own policy from the same picklable ``policy_fn`` (e.g.
+``functools.partial(make_policy, vocab_size, seed=0)``); the rollout workers'
+weights are then overwritten by the learner's at the first sync.
+
+Rollout workers are *threaded* actors (``max_concurrency`` > 1) so that a weight
+update can arrive while a generate call runs: the update fetches its bytes
+concurrently, then takes the worker's generation lock (pause: the in-flight
+batch finishes under the old version), drops the KV cache, installs the new
+weights and version, and releases the lock (resume). One lock covers the version
+read and the generation, so a trajectory is always tagged with the version of
+the weights that produced it.
+
+Workers are created with ``max_restarts``: a killed worker comes back (with
+fresh initial weights and version -1); the driver re-syncs it before giving it
+work again and re-queues what it was generating.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from . import checkpoint as _ckpt
+from . import weight_sync as ws
+
+__all__ = [
+    "LearnerWorker",
+    "RewardModelActor",
+    "RolloutRequest",
+    "RolloutResult",
+    "RolloutWorker",
+    "Topology",
+    "make_topology",
+]
+
+
+@dataclasses.dataclass
+class RolloutRequest:
+    """One unit of rollout work: whole prompt groups, a seed, and the step it belongs to."""
+
+    request_id: int
+    step: int
+    prompts: list  # token-id lists, each group's prompt repeated group_size times
+    params: Any  # rollout.SamplingParams
+    seed: int
+    seq: Optional[int] = None  # the driver's call order on this worker (see RolloutWorker)
+
+
+@dataclasses.dataclass
+class RolloutResult:
+    request_id: int
+    batch: dict  # RolloutBatch.state(): host tensors
+    policy_version: int
+    worker_index: int
+    pid: int
+    seconds: float
+    response_tokens: int
+
+
+class WorkerNotReady(RuntimeError):
+    """A (re)started rollout worker got work before its first weights."""
+
+
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(int(seed) & 0x7FFFFFFFFFFFFFFF)  # seeds torch's CPU generator and torchtpu's key
+
+
+class RolloutWorker:
+    """A rollout worker: a :class:`~torchtpu_rl.rollout.RolloutEngine` on this process's chip."""
+
+    def __init__(self, policy_fn: Callable[[], torch.nn.Module], pad_id: int, worker_index: int = 0,
+                 engine_kwargs: Optional[dict] = None, device: str = "tpu"):
+        import torchtpu  # noqa: F401  (registers the device in this actor process)
+
+        from .rollout import RolloutEngine
+
+        self.worker_index = int(worker_index)
+        model = policy_fn()
+        self.engine = RolloutEngine(model, pad_id, device=device, policy_version=-1, **(engine_kwargs or {}))
+        self.receiver = ws.WeightReceiver(device="tpu" if torch.device(device).type == "tpu" else "cpu")
+        self.version = -1  # no weights from the learner yet
+        self._gen_lock = threading.Lock()
+        self._turn = threading.Condition()
+        self._next_seq = None  # adopted from the first ordered call this process sees
+        self._generating = None  # request id in flight
+        self.started_at = time.time()
+        self.counts = {"generate_calls": 0, "updates": 0}
+
+    # ------------------------------------------------------------ call order
+    # Calls run on several threads (a weight update must be able to arrive mid-generation), but
+    # generations and weight installs happen in the order the driver sent them (``seq``): an
+    # update sent after a generate request never overtakes it, so which version generates which
+    # batch depends on the driver's decisions only, not on thread timing (async runs are
+    # reproducible). A restarted process adopts the first sequence number it receives.
+    @contextlib.contextmanager
+    def _in_order(self, seq: Optional[int]):
+        if seq is None:
+            with self._gen_lock:
+                yield
+            return
+        with self._turn:
+            if self._next_seq is None:
+                self._next_seq = seq
+            while self._next_seq != seq:
+                self._turn.wait()
+        try:
+            with self._gen_lock:
+                yield
+        finally:
+            with self._turn:
+                self._next_seq = seq + 1
+                self._turn.notify_all()
+
+    # ------------------------------------------------------------ generation
+    def generate(self, request: RolloutRequest) -> RolloutResult:
+        t0 = time.perf_counter()
+        with self._in_order(request.seq):
+            if self.version < 0:
+                raise WorkerNotReady(f"rollout worker {self.worker_index}: no weights yet (sync weights first)")
+            self._generating = request.request_id
+            try:
+                _seed_all(request.seed)
+                batch = self.engine.generate(request.prompts, request.params, policy_version=self.version)
+                version = self.version
+            finally:
+                self._generating = None
+            self.counts["generate_calls"] += 1
+        return RolloutResult(request.request_id, batch.state(), version, self.worker_index, os.getpid(),
+                             time.perf_counter() - t0, batch.num_response_tokens)
+
+    # ------------------------------------------------------------ weight updates
+    def _install(self, version: int, tensors: dict, seq: Optional[int]) -> float:
+        """pause -> drop the KV cache -> load -> set version -> resume; returns seconds paused."""
+        with self._in_order(seq):  # waits for an in-flight generate to finish
+            t0 = time.perf_counter()
+            self.engine.update_weights(tensors, policy_version=version)
+            self.version = int(version)
+            self.counts["updates"] += 1
+            return time.perf_counter() - t0
+
+    def update_weights(self, update: ws.WeightUpdate, seq: Optional[int] = None) -> dict:
+        """Install an object-store update (the one control call of a sync)."""
+        t0 = time.perf_counter()
+        update.plan.check_matches(self.engine.model.state_dict(), who=f"rollout worker {self.worker_index}")
+        tensors = self.receiver.receive(update)  # fetched outside the pause
+        paused = self._install(update.version, tensors, seq)
+        return {"worker": self.worker_index, "version": self.version, "seconds": time.perf_counter() - t0,
+                "paused_s": paused, **self.receiver.last_timings}
+
+    def collective_setup(self, init_method: str, world_size: int, rank: int, backend: str) -> int:
+        if self.receiver.group is not None:
+            self.receiver.group.destroy()
+        self.receiver.group = ws.CollectiveGroup(backend, init_method, world_size, rank)
+        return rank
+
+    def collective_teardown(self) -> None:
+        if self.receiver.group is not None:
+            self.receiver.group.destroy()
+            self.receiver.group = None
+
+    def receive_weights(self, seq: Optional[int] = None) -> dict:
+        """Take part in the learner's broadcast (the one control call of a collective sync)."""
+        t0 = time.perf_counter()
+        update, tensors = self.receiver.receive_broadcast()
+        update.plan.check_matches(self.engine.model.state_dict(), who=f"rollout worker {self.worker_index}")
+        paused = self._install(update.version, tensors, seq)
+        return {"worker": self.worker_index, "version": self.version, "seconds": time.perf_counter() - t0,
+                "paused_s": paused, **self.receiver.last_timings}
+
+    # ------------------------------------------------------------ introspection
+    def status(self) -> dict:
+        return {"worker": self.worker_index, "pid": os.getpid(), "version": self.version,
+                "generating": self._generating, "started_at": self.started_at,
+                "group": self.receiver.group is not None, **self.counts}
+
+    def checksums(self) -> dict:
+        with self._gen_lock:
+            return ws.tensor_checksums(self.engine.model.state_dict())
+
+
+class LearnerWorker:
+    """The learner actor: policy, reference policy (colocated), optimizer, weight sender."""
+
+    def __init__(self, policy_fn: Callable[[], torch.nn.Module], algo: str = "grpo",
+                 learner_kwargs: Optional[dict] = None, seed: int = 0,
+                 bucket_bytes: int = ws.DEFAULT_BUCKET_BYTES, device: str = "tpu"):
+        import torchtpu  # noqa: F401
+
+        from .learner import Learner
+
+        _seed_all(seed)
+        policy = policy_fn().to(device)
+        kw = dict(learner_kwargs or {})
+        # the Learner makes the reference policy (a frozen copy of the initial policy) on this
+        # actor's device when kl_coef > 0: colocated with the policy
+        self.learner = Learner(policy, None, algo=algo, device=device, **kw)
+        self.policy = policy
+        self.sender = ws.WeightSender(bucket_bytes)
+        self.device = device
+
+    @property
+    def policy_version(self) -> int:
+        return int(self.learner.policy_version)
+
+    def version(self) -> int:
+        return self.policy_version
+
+    def train_step(self, batch_state: dict, rewards: Sequence[float]) -> dict:
+        from .rollout import RolloutBatch
+
+        batch = RolloutBatch.from_state(batch_state)
+        t0 = time.perf_counter()
+        metrics = dict(self.learner.train_step(batch, torch.as_tensor(list(rewards), dtype=torch.float32)))
+        metrics = {k: (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v) for k, v in metrics.items()}
+        metrics["train_s"] = time.perf_counter() - t0
+        metrics["policy_version"] = self.policy_version
+        return metrics
+
+    def _weights(self) -> dict:
+        return self.policy.state_dict()
+
+    def publish_weights(self) -> ws.WeightUpdate:
+        """Object-store sync: put the weights (one object per bucket), return the small update."""
+        return self.sender.publish(self._weights(), self.policy_version)
+
+    def collective_setup(self, init_method: str, world_size: int, backend: str) -> int:
+        if self.sender.group is not None:
+            self.sender.group.destroy()
+        self.sender.group = ws.CollectiveGroup(backend, init_method, world_size, 0)
+        return 0
+
+    def collective_teardown(self) -> None:
+        if self.sender.group is not None:
+            self.sender.group.destroy()
+            self.sender.group = None
+
+    def broadcast_weights(self) -> dict:
+        return self.sender.broadcast(self._weights(), self.policy_version)
+
+    def checksums(self) -> dict:
+        return ws.tensor_checksums(self._weights())
+
+    def free_port(self) -> str:
+        import ray
+
+        return f"tcp://{ray.util.get_node_ip_address()}:{ws.free_port()}"
+
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str, driver_state: Optional[dict] = None) -> str:
+        return _ckpt.save_checkpoint(path, self.learner, driver_state)
+
+    def load_checkpoint(self, path: str) -> Optional[dict]:
+        return _ckpt.load_checkpoint(path, self.learner)
+
+
+class RewardModelActor:
+    """Rewards computed in their own actor: a programmatic ``reward_fn`` (e.g. a sandboxed
+    checker) or a learned reward model ``model_fn() -> nn.Module`` mapping
+    ``(input_ids, attention_mask)`` to per-token scores (B, T) or logits (B, T, V); the
+    reward is the score at each sequence's last real token (for logits, its first channel).
+    """
+
+    def __init__(self, reward_fn: Optional[Callable] = None, model_fn: Optional[Callable] = None,
+                 device: str = "tpu", pad_id: int = 0):
+        if (reward_fn is None) == (model_fn is None):
+            raise ValueError("RewardModelActor: give exactly one of reward_fn and model_fn")
+        self.reward_fn = reward_fn
+        self.model = None
+        self.pad_id = int(pad_id)
+        self.device = device
+        if model_fn is not None:
+            import torchtpu  # noqa: F401
+
+            self.model = model_fn().to(device).eval()
+
+    def score(self, prompts: list, responses: list, metadata: list) -> list:
+        if self.reward_fn is not None:
+            return [float(r) for r in self.reward_fn(prompts, responses, metadata)]
+        seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+        L = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), L), self.pad_id, dtype=torch.int64)
+        mask = torch.zeros((len(seqs), L), dtype=torch.int64)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = torch.tensor(s, dtype=torch.int64)
+            mask[i, :len(s)] = 1
+        with torch.no_grad():
+            out = self.model(ids.to(self.device), attention_mask=mask.to(self.device))
+            from .policy import get_logits
+
+            out = out if isinstance(out, torch.Tensor) else get_logits(out)
+            if out.dim() == 3:
+                out = out[..., 0]
+            last = (mask.sum(1) - 1).to(self.device)
+            vals = out.float().gather(1, last[:, None]).squeeze(1).cpu()
+        return [float(v) for v in vals]
+
+
+# ------------------------------------------------------------------ topology
+@dataclasses.dataclass
+class Topology:
+    """Handles of a run's actors."""
+
+    learner: Any
+    workers: list
+    reward_actor: Any = None
+    worker_options: dict = dataclasses.field(default_factory=dict)
+    worker_args: tuple = ()  # (policy_fn, pad_id, engine_kwargs): to start a replacement worker
+    # the next call number per worker (RolloutWorker._in_order); shared by every driver of the topology
+    call_seq: list = dataclasses.field(default_factory=list)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in [self.learner, *self.workers, self.reward_actor]:
+            if a is not None:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:
+                    pass
+
+
+def _actor_env() -> dict:
+    """Environment for our actors: inherit the XLA/thread settings and the compilation cache,
+    so every actor compiles the same programs once (the persistent cache is shared on a host)."""
+    keep = ("XLA_FLAGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHTPU_COMPILATION_CACHE_DIR",
+            "TORCHTPU_EXECUTION_MODE", "JAX_ENABLE_X64")
+    return {k: os.environ[k] for k in keep if k in os.environ}
+
+
+def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_rollout_workers: int = 1,
+                  algo: str = "grpo", learner_kwargs: Optional[dict] = None, engine_kwargs: Optional[dict] = None,
+                  seed: int = 0, bucket_bytes: int = ws.DEFAULT_BUCKET_BYTES,
+                  reward_fn: Optional[Callable] = None, reward_model_fn: Optional[Callable] = None,
+                  reward_in_actor: bool = False, max_restarts: int = 3, worker_concurrency: int = 4,
+                  actor_options: Optional[dict] = None) -> Topology:
+    """Start the learner, ``num_rollout_workers`` rollout workers and (optionally) a reward actor
+    on the connected Ray cluster. ``actor_options`` go to every ``.options()`` (e.g. a
+    ``scheduling_strategy`` from a ray_integration slice reservation)."""
+    import ray
+
+    if not ray.is_initialized():
+        raise RuntimeError("make_topology: connect to Ray first (driver.connect_ray())")
+    if not isinstance(num_rollout_workers, int) or num_rollout_workers < 1:
+        raise ValueError(f"num_rollout_workers must be a positive int, got {num_rollout_workers!r}")
+    base = {"num_cpus": 0, "runtime_env": {"env_vars": _actor_env()}, **(actor_options or {})}
+    learner = ray.remote(LearnerWorker).options(**base).remote(
+        policy_fn, algo=algo, learner_kwargs=learner_kwargs, seed=seed, bucket_bytes=bucket_bytes)
+    wopts = {**base, "max_restarts": max_restarts, "max_concurrency": worker_concurrency}
+    workers = [ray.remote(RolloutWorker).options(**wopts).remote(policy_fn, pad_id, i, engine_kwargs)
+               for i in range(num_rollout_workers)]
+    reward_actor = None
+    if reward_in_actor or reward_model_fn is not None:
+        reward_actor = ray.remote(RewardModelActor).options(**base).remote(
+            reward_fn=None if reward_model_fn is not None else reward_fn, model_fn=reward_model_fn, pad_id=pad_id)
+    return Topology(learner, workers, reward_actor, wopts, (policy_fn, pad_id, engine_kwargs))
