@@ -9,7 +9,6 @@ would pass a value comparison while proving nothing.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchtpu
+from helpers import no_fallback
 from torchtpu import registry
 
 TPU = "tpu"
@@ -33,17 +33,6 @@ class _OpLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.add(f"{func._schema.name}.{func._overloadname}".replace("aten::", ""))
         return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def no_fallback():
-    before = dict(torchtpu.metrics.snapshot()["cpu_fallbacks"])
-    torchtpu.set_cpu_fallback(False)
-    try:
-        yield
-    finally:
-        torchtpu.set_cpu_fallback(True)
-    assert dict(torchtpu.metrics.snapshot()["cpu_fallbacks"]) == before
 
 
 def _lowered(op):

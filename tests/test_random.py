@@ -3,7 +3,6 @@ factories and in-place fills all on the device (CPU fallback switched off)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -11,20 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import torchtpu
+from helpers import no_fallback
 
 TPU = "tpu"
 N = 200_000  # samples for distribution checks: standard errors ~ 1/sqrt(N) ~ 0.002
-
-
-@contextlib.contextmanager
-def no_fallback():
-    before = dict(torchtpu.metrics.snapshot()["cpu_fallbacks"])
-    torchtpu.set_cpu_fallback(False)
-    try:
-        yield
-    finally:
-        torchtpu.set_cpu_fallback(True)
-    assert dict(torchtpu.metrics.snapshot()["cpu_fallbacks"]) == before
 
 
 def host(t):
