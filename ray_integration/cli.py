@@ -75,11 +75,18 @@ def cmd_head_start(args) -> int:
     return 0
 
 
-def cmd_head_stop(args) -> int:
+def _attach_or_report(run_dir) -> Optional[LocalHead]:
+    """The head recorded in `run_dir`, or None after saying on stderr that there is none."""
     try:
-        head = LocalHead.attach(args.run_dir)
+        return LocalHead.attach(run_dir)
     except FileNotFoundError as e:
         print(str(e), file=sys.stderr)
+        return None
+
+
+def cmd_head_stop(args) -> int:
+    head = _attach_or_report(args.run_dir)
+    if head is None:
         return 1
     head.stop()
     print(f"stopped the Ray head of {head.run_dir}")
@@ -87,10 +94,8 @@ def cmd_head_stop(args) -> int:
 
 
 def cmd_head_status(args) -> int:
-    try:
-        head = LocalHead.attach(args.run_dir)
-    except FileNotFoundError as e:
-        print(str(e), file=sys.stderr)
+    head = _attach_or_report(args.run_dir)
+    if head is None:
         return 1
     st = {"address": head.address, "dashboard_url": head.dashboard_url, "run_dir": str(head.run_dir),
           "pid": head.head.pid if head.head else None, "alive": head.alive()}

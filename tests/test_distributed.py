@@ -434,6 +434,36 @@ def _failure_checks(c, rank, world, dev="tpu"):
         dist.barrier()
     c("mismatch_recv_size", recv_size_mismatch)
 
+    def agreed_arguments():
+        # inside agreed_arguments() an all_to_all whose splits the ranks already exchanged skips the
+        # descriptor exchange (one round trip); outside, every collective is checked again
+        from torchtpu.distributed import agreed_arguments
+
+        pg = dist.group.WORLD
+        counts = torch.tensor([rank + 1, 2], device=dev)  # rank r sends r+1 rows to rank 0, 2 to rank 1
+        got = torch.empty(world, dtype=counts.dtype, device=dev)
+        dist.all_to_all_single(got, counts)  # checked: the split exchange itself
+        send = counts.tolist()
+        recv = got.tolist()
+        x = torch.arange(sum(send), dtype=torch.float32, device=dev) + 100 * rank
+        out = torch.empty(sum(recv), device=dev)
+        n0 = pg.descriptor_exchanges
+        with agreed_arguments():
+            dist.all_to_all_single(out, x, recv, send)
+            assert pg.descriptor_exchanges == n0, "agreed_arguments() still exchanged a descriptor"
+            try:  # a local argument error still raises (on every rank here: all pass the same bad splits)
+                dist.all_to_all_single(out, x, [1] * world, [1] * world)
+            except (ValueError, RuntimeError) as e:
+                assert "split" in str(e), e
+            else:
+                raise AssertionError("bad splits went through under agreed_arguments()")
+        want = torch.cat([torch.arange(sum([r + 1, 2]), dtype=torch.float32)[(rank and r + 1): (rank and r + 1)
+                          + [r + 1, 2][rank]] + 100 * r for r in range(world)])
+        _close(out, want)
+        dist.all_reduce(torch.ones(1, device=dev))
+        assert pg.descriptor_exchanges == n0 + 1, "the collective after agreed_arguments() was not checked"
+    c("agreed_arguments_skip_exchange", agreed_arguments)
+
     def rank_never_joins():
         # a short-timeout group; the last rank does not take part in the collective
         g = dist.new_group(list(range(world)), timeout=SHORT, backend="tpu")
@@ -674,7 +704,8 @@ MAIN_CHECKS = [
     "all_to_all_single_uneven", "all_to_all_list", "gather_scatter_reduce", "barrier", "send_recv", "async_work",
     "cpu_tensors_through_tpu_group", "functional_collectives", "defer_and_fuse_flush", "new_group", "ddp_parity",
     "device_mesh", "dtensor", "mismatch_shape", "mismatch_collective", "mismatch_dtype",
-    "mismatch_all_to_all_splits", "mismatch_recv_size", "rank_never_joins_times_out",
+    "mismatch_all_to_all_splits", "mismatch_recv_size", "agreed_arguments_skip_exchange",
+    "rank_never_joins_times_out",
 ]
 
 

@@ -9,25 +9,16 @@ into an RW-sharded model; an out-of-range id. Each check's failure is reported w
 from __future__ import annotations
 
 import os
-import socket
-import time
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from helpers import expect_owner_index_error, named_checks, run_spawned
 
 pytestmark = pytest.mark.timeout(300)
 
 WORLD = 2
 LR = 0.1
 FEATURES = ["f_tw", "f_rw", "f_cw", "f_twrw", "f_dp", "f_mean"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tables():
@@ -97,17 +88,7 @@ def _worker(rank, port, tmpdir, failures):
     ref_sd = {k: v.clone() for k, v in ref.state_dict().items()}
     batches = [_batch(100 + r) for r in range(WORLD)]
     mine = batches[rank]
-    results = []
-
-    def check(name, fn):
-        t0 = time.time()
-        try:
-            fn()
-            results.append(f"{name} ({time.time() - t0:.1f}s)")
-            if os.environ.get("REC_TEST_VERBOSE"):
-                print(rank, results[-1], flush=True)
-        except Exception:
-            failures.append(f"rank {rank} {name}:\n{traceback.format_exc()}")
+    check, results = named_checks(rank, failures)
 
     def dmp_for(per_param):
         ebc = EmbeddingBagCollection(tables=_tables(), device=torch.device("meta"))
@@ -168,6 +149,14 @@ def _worker(rank, port, tmpdir, failures):
         for ps in plan.plan[""].values():
             for shard in getattr(ps.sharding_spec, "shards", None) or []:
                 assert str(shard.placement.device()) == "tpu:0", shard.placement
+        # the collective form: TorchRec's collective_plan plans on rank 0 and broadcasts the plan as an
+        # object (broadcast_object_list) over the tpu group; every rank gets rank 0's plan
+        cplan = plan_for_tpu(ebc, [sharder], pg=dist.group.WORLD, constraints=cons)
+        ctypes = {name: ps.sharding_type for name, ps in cplan.plan[""].items()}
+        assert ctypes == types, (ctypes, types)
+        both = [None] * WORLD
+        dist.all_gather_object(both, repr(sorted((n, str(ps.ranks)) for n, ps in cplan.plan[""].items())))
+        assert both[0] == both[1], both
         # HBM limits: tables that do not fit a chip make the planner fail
         try:
             plan_for_tpu(ebc, [sharder], world_size=WORLD, hbm_cap=1000)
@@ -175,6 +164,14 @@ def _worker(rank, port, tmpdir, failures):
             assert "hbm" in str(e).lower(), str(e)
         else:
             raise AssertionError("a 1000-byte HBM cap did not make the planner fail")
+        # the collective form of that failure raises on every rank, not only on rank 0 (TorchRec's own
+        # collective_plan left the other ranks waiting in the broadcast)
+        try:
+            plan_for_tpu(ebc, [sharder], pg=dist.group.WORLD, hbm_cap=1000)
+        except RuntimeError as e:
+            assert "failed on rank 0" in str(e) and "hbm" in str(e).lower(), str(e)
+        else:
+            raise AssertionError("a 1000-byte HBM cap did not make the collective planner fail")
 
     check("planner_plan", planner)
 
@@ -207,18 +204,7 @@ def _worker(rank, port, tmpdir, failures):
         values = b.values().clone()
         values[0] = 10_000  # an id of f_tw; only rank 1 owns t_tw, the id reaches it through the a2a
         kjt = KeyedJaggedTensor(keys=FEATURES, values=values, lengths=b.lengths())
-        try:
-            dmp(kjt).wait()
-        except IndexError as e:
-            if rank == 1:
-                assert "f_tw" in str(e), str(e)
-            return
-        except RuntimeError:
-            if rank == 0:  # the owner's error leaves rank 0's output all-to-all without a peer
-                return
-            raise
-        if rank == 1:
-            raise AssertionError("an out-of-range id of f_tw did not raise on the rank owning t_tw")
+        expect_owner_index_error(lambda: dmp(kjt).wait(), rank, owner=1, feature="f_tw")
 
     # last: the rank that raises leaves the group out of step
     check("out_of_range_id_names_feature", out_of_range)
@@ -227,10 +213,4 @@ def _worker(rank, port, tmpdir, failures):
 
 
 def test_dmp_all_sharding_types_on_tpu(tmp_path):
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        failures = manager.list()
-        mp.start_processes(_worker, args=(_port(), str(tmp_path), failures), nprocs=WORLD, join=True,
-                           start_method="spawn")
-        errors = list(failures)
-    assert not errors, "\n\n".join(errors)
+    run_spawned(_worker, WORLD, tmp_path)

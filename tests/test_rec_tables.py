@@ -384,3 +384,46 @@ def test_update_in_place_compiles_once_and_state_roundtrip():
     assert all(torch.equal(w[n], sc.table_weights()[n]) for n in w)
     with torch.no_grad():  # eval lookups do not update
         sc(k)
+
+
+# ---------------------------------------------------------------- the shared kernel on a TorchRec group
+@pytest.mark.parametrize("fused", [True, False])
+def test_group_kernel_on_fbgemm_layout_mixed_dims(fused):
+    """TorchRec's sharded lookups run the same kernel on one flat parameter in fbgemm's layout;
+    widths 3, 3, 4 (a run of two width-3 tables, then a width-4 table starting at an offset that is
+    not a multiple of 4): forward against TorchRec's EBC, then one fused SGD step (or, DENSE, the
+    flat table gradient) against torch's autograd."""
+    from torchtpu_rec.sharding.kernel import TPUTableBatchedEmbeddings
+    from torchtpu_rec.tables import OptimizerSpec as Spec
+
+    torch.manual_seed(6)
+    cfg = [EmbeddingBagConfig(num_embeddings=10, embedding_dim=3, name="a", feature_names=["x"]),
+           EmbeddingBagConfig(num_embeddings=7, embedding_dim=3, name="b", feature_names=["y", "z"]),
+           EmbeddingBagConfig(num_embeddings=9, embedding_dim=4, name="c", feature_names=["w"])]
+    ref = EmbeddingBagCollection(cfg, is_weighted=True)
+    store = TPUTableBatchedEmbeddings([10, 7, 9], [3, 3, 4], [0, 1, 1, 2], ["x", "y", "z", "w"],
+                                      torch.device("tpu"), table_names=["a", "b", "c"])
+    lr = 0.5
+    store.bind(Spec("sgd", lr=lr) if fused else None, fused)
+    assert [(s.base, s.rows, s.dim) for s in store.tables.kernel.stacks] == [(0, 17, 3), (51, 9, 4)]
+    with torch.no_grad():
+        for w, c in zip(store.split_embedding_weights(), cfg):
+            w.copy_(ref.embedding_bags[c.name].weight)
+    kjt = make_kjt(["x", "y", "z", "w"], [10, 7, 7, 9], 5, 4, 8, weighted=True)
+    out = store.tables.run(store.preprocess(kjt))
+    exp = ref(kjt).values()
+    torch.testing.assert_close(out.cpu(), exp, atol=ATOL, rtol=1e-5)
+    c = torch.arange(exp.numel(), dtype=torch.float32).reshape(exp.shape) / 50
+    (out * c.to("tpu")).sum().backward()
+    (exp * c).sum().backward()
+    ref_grad = torch.cat([ref.embedding_bags[n].weight.grad.reshape(-1) for n in ("a", "b", "c")])
+    if fused:
+        ref_w = torch.cat([ref.embedding_bags[n].weight.detach().reshape(-1) for n in ("a", "b", "c")])
+        torch.testing.assert_close(store.weights.detach().cpu(), ref_w - lr * ref_grad, atol=1e-5, rtol=1e-5)
+        assert store.weights.grad is None
+    else:
+        torch.testing.assert_close(store.weights.grad.cpu(), ref_grad, atol=1e-5, rtol=1e-5)
+    bad = KeyedJaggedTensor.from_lengths_sync(keys=["x", "y", "z", "w"], values=torch.tensor([1, 7]),
+                                              lengths=torch.tensor([1, 0, 0, 0, 0, 1, 0, 0]))
+    with pytest.raises(IndexError, match="feature 'z' has id 7"):  # table b has 7 rows
+        store.preprocess(bad)

@@ -18,7 +18,11 @@ called a different collective, or passed a different shape, makes every rank
 raise a ``RuntimeError`` that says which rank passed what, instead of gloo
 hanging or producing a wrong result. A rank that died makes gloo raise within
 the group's timeout. ``TORCHTPU_DIST_CHECK=0`` skips the descriptor exchange
-(one small allgather per collective).
+(one small allgather per collective) everywhere; ``agreed_arguments()`` skips
+it for the collectives one thread issues inside it, for callers whose
+arguments were already exchanged by an earlier (checked) collective, e.g. a
+KeyedJaggedTensor's lengths/ids all-to-alls whose split sizes came from the
+splits all-to-all just before.
 
 Implemented in Python as a ``torch.distributed.ProcessGroup`` subclass (torch
 2.13 cannot subclass ``c10d.Backend`` from Python); C++ callers (DDP's reducer,
@@ -30,6 +34,7 @@ lives.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -53,8 +58,28 @@ _MAGIC = 0x7470755F  # "tpu_"
 _HDR = 8  # fixed descriptor fields before the per-peer counts
 
 
+_local = threading.local()
+
+
 def _checks_enabled() -> bool:
-    return os.environ.get("TORCHTPU_DIST_CHECK", "1") != "0"
+    return os.environ.get("TORCHTPU_DIST_CHECK", "1") != "0" and not getattr(_local, "agreed", 0)
+
+
+@contextlib.contextmanager
+def agreed_arguments():
+    """Collectives this thread issues inside skip the descriptor exchange (one round trip each).
+
+    Only for calls whose arguments every rank derived from data the ranks already exchanged
+    through a checked collective (split sizes received from the peers, say): then the ranks
+    cannot disagree about the call, and the exchange would only add latency. A mismatch
+    inside is no longer diagnosed (gloo may hang until the group's timeout instead); a local
+    argument error still raises on the rank that made it.
+    """
+    _local.agreed = getattr(_local, "agreed", 0) + 1
+    try:
+        yield
+    finally:
+        _local.agreed -= 1
 
 
 # ---------------------------------------------------------------- descriptors
@@ -284,6 +309,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._timeout = timeout
         # descriptor exchange + launch must not interleave between threads (ranks would pair them differently)
         self._lock = threading.RLock()
+        self.descriptor_exchanges = 0  # how many collectives were checked (agreed_arguments() skips some)
 
     # -------------------------------------------------------------- identity
     def getBackendName(self):
@@ -304,6 +330,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             if error is not None:
                 raise error
             return
+        self.descriptor_exchanges += 1
         w = self._size
         desc = torch.zeros(_HDR + 2 * w, dtype=torch.int64)
         desc[0] = _MAGIC
@@ -845,4 +872,4 @@ def register() -> None:
     _registered = True
 
 
-__all__ = ["BACKEND_NAME", "ProcessGroupTPU", "register"]
+__all__ = ["BACKEND_NAME", "ProcessGroupTPU", "agreed_arguments", "register"]

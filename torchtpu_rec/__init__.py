@@ -4,15 +4,23 @@
 - :mod:`torchtpu_rec.preprocess`: KeyedJaggedTensor -> fixed-size per-SparseCore buffers.
 - :mod:`torchtpu_rec.embedding`: :class:`SparseCoreEmbeddingBagCollection` (pooled, KJT -> KeyedTensor)
   and :class:`SparseCoreEmbeddingCollection` (sequence, KJT -> dict of JaggedTensor), with the
-  optimizer fused into the backward (the tables update in place; no table gradient).
+  optimizer fused into the backward (the tables update in place; no table gradient); and the ONE
+  lookup/update kernel (:class:`GroupKernel`, bound to tpu tensors by :class:`KernelTables`) that
+  they and TorchRec's sharded lookups (:mod:`torchtpu_rec.sharding.kernel`) run.
 """
 
 from __future__ import annotations
 
 import torchtpu  # noqa: F401  (registers the tpu device)
 
-from .embedding import SparseCoreEmbeddingBagCollection, SparseCoreEmbeddingCollection
-from .preprocess import CoreBuffers, PreprocessedBatch, RecCounters, default_policy
+from .embedding import (
+    GroupKernel,
+    KernelTables,
+    SparseCoreEmbeddingBagCollection,
+    SparseCoreEmbeddingCollection,
+    StackLayout,
+)
+from .preprocess import CoreBuffers, IdOutOfRangeError, PreprocessedBatch, RecCounters, default_policy
 from .tables import (
     OPTIMIZERS,
     SPARSECORES_PER_CHIP,
@@ -28,11 +36,15 @@ __all__ = [
     "OPTIMIZERS",
     "SPARSECORES_PER_CHIP",
     "CoreBuffers",
+    "GroupKernel",
+    "IdOutOfRangeError",
+    "KernelTables",
     "OptimizerSpec",
     "PreprocessedBatch",
     "RecCounters",
     "SparseCoreEmbeddingBagCollection",
     "SparseCoreEmbeddingCollection",
+    "StackLayout",
     "StackedTable",
     "TableSpec",
     "default_policy",

@@ -25,8 +25,9 @@ donated by it (reading it raises "Array has been deleted"): take it again.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,50 +45,93 @@ from .preprocess import OVERFLOW_MODES, FeatureSlot, PreprocessedBatch, RecCount
 from .tables import OptimizerSpec, TableSpec, stack_tables
 from .tables import num_sparsecores as _num_sparsecores
 
-__all__ = ["SparseCoreEmbeddingBagCollection", "SparseCoreEmbeddingCollection"]
+__all__ = ["GroupKernel", "KernelTables", "SparseCoreEmbeddingBagCollection", "SparseCoreEmbeddingCollection",
+           "StackLayout"]
 
 
-# ---------------------------------------------------------------- JAX kernels
+# ---------------------------------------------------------------- the kernel (JAX)
+# ONE lookup/update kernel serves the SparseCore collections below and TorchRec's grouped lookups
+# (torchtpu_rec.sharding.kernel). Its unit is a *group*: a few table buffers (1-D views of tpu
+# storages) holding *stacks* (same-width runs of tables, rows ``[base, base + rows * dim)`` of
+# one buffer). A SparseCore collection has one buffer per stack (MOD-sharded rows); a TorchRec
+# group has one flat buffer in fbgemm's layout, with a stack per run of same-width tables.
+# Per stack and batch the inputs are preprocess.py's per-core buffers (physical row, segment and
+# gain per id; unique slot per id; physical row per unique slot).
+
 # Gathering 32-bit rows as 64-bit elements halves XLA CPU's per-element gather cost, but the
 # bitcast of the table costs a copy of it: worth it only while the table is small (measured: 2x
 # faster at 10 MB, slower at 200 MB).
 _WIDE_GATHER_MAX_BYTES = 32 << 20
+_G = jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS  # XLA's own semantics: gathers clamp, scatters drop
 
 
-def _gather_rows(table, idx, mode="promise_in_bounds"):
-    """``table[idx]`` (rows), indices in bounds (or, with ``mode="fill"``, out of bounds reading 0)."""
-    P, D = table.shape
-    kw = {"fill_value": 0} if mode == "fill" else {}
-    if (table.dtype == jnp.float32 and D % 2 == 0 and P * D * 4 <= _WIDE_GATHER_MAX_BYTES
-            and jax.default_backend() == "cpu"):
-        u = jax.lax.bitcast_convert_type(table.reshape(P, D // 2, 2), jnp.uint64)
-        r = u.at[idx].get(mode=mode, **kw)
-        return jax.lax.bitcast_convert_type(r, jnp.float32).reshape(idx.shape[0], D)
-    return table.at[idx].get(mode=mode, **kw)
+@dataclasses.dataclass(frozen=True)
+class StackLayout:
+    """Where one stack lives: elements ``[base, base + rows * dim)`` of table buffer ``buffer``,
+    row-major; ``optimizer``: its fused optimizer."""
+
+    buffer: int
+    base: int
+    rows: int
+    dim: int
+    optimizer: OptimizerSpec
 
 
-def _lookup_stack(table, phys, seg, gain, S):
-    """Gather + weighted segment-sum of one stack: (S, dim) float32."""
-    rows = _gather_rows(table, phys).astype(jnp.float32)
-    return jax.ops.segment_sum(rows * gain[:, None], seg, num_segments=S + 1)[:S]
+def _wide_ok(table):
+    return (table.dtype == jnp.float32 and table.shape[-1] % 2 == 0
+            and table.size * 4 <= _WIDE_GATHER_MAX_BYTES and jax.default_backend() == "cpu")
 
 
-def _forward_fn(layout, pooled):
-    """The jitted forward of a collection. ``layout``: for pooled outputs, per output key
-    (stack, slot); the segments of stack s are slot * B + sample."""
-
-    def fwd(tables, kins, segs, B):
-        outs = [_lookup_stack(t, k[0], k[1], k[2], S) for t, k, S in zip(tables, kins, segs)]
-        if not pooled:
-            return tuple(outs)
-        pieces = [_slot_rows(outs[s], slot, B) for s, slot in layout]
-        return jnp.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
-
-    return jax.jit(fwd, static_argnums=(2, 3))
+def _gather_rows(table, idx, wide=True):
+    """``table[idx]`` (rows of a 2-D table; indices clamp into bounds)."""
+    n, D = table.shape
+    if wide and _wide_ok(table):
+        u = jax.lax.bitcast_convert_type(table.reshape(n, D // 2, 2), jnp.uint64)
+        return jax.lax.bitcast_convert_type(u.at[idx].get(mode=_G), jnp.float32).reshape(idx.shape[0], D)
+    return table.at[idx].get(mode=_G)
 
 
-def _slot_rows(out, slot, B):
-    return jax.lax.slice_in_dim(out, slot * B, (slot + 1) * B, axis=0)
+def _windows(buf, start, d):
+    """Rows ``buf[start[i] : start[i] + d]`` of 1-D ``buf`` (starts clamp into bounds)."""
+    dn = jax.lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(), start_index_map=(0,))
+    return jax.lax.gather(buf, start[:, None], dn, slice_sizes=(d,), mode=_G)
+
+
+def _row_index(st: StackLayout, rows, nrows, unit):
+    """Index of each physical row of stack ``st`` in a buffer of ``nrows`` units of ``unit``
+    elements (a row is ``dim // unit`` units); rows past the stack (unique-slot padding) map past
+    the buffer's end, each to its own index, so a scatter drops them and never touches another stack."""
+    dt = jnp.int64 if nrows + rows.shape[0] + st.base + st.rows * st.dim >= 2 ** 31 else jnp.int32
+    r = rows.astype(dt)
+    return jnp.where(r < st.rows, st.base // unit + r * (st.dim // unit), nrows + (r - st.rows))
+
+
+def _as_rows(st: StackLayout, buf):
+    """The 1-D buffer as a (rows, dim) table when the stack's rows tile it, else None."""
+    if st.base % st.dim == 0 and buf.size % st.dim == 0:
+        return buf.reshape(-1, st.dim)
+    return None
+
+
+def _stack_gather(buf, st: StackLayout, rows, wide=True):
+    """Rows ``rows`` of stack ``st`` (past the stack: clamped reads) from 1-D ``buf``: (k, dim)."""
+    table = _as_rows(st, buf)
+    if table is not None:
+        return _gather_rows(table, _row_index(st, rows, table.shape[0], st.dim), wide)
+    return _windows(buf, _row_index(st, rows, buf.size, 1), st.dim)
+
+
+def _stack_set(buf, st: StackLayout, rows, values):
+    """``buf`` with rows ``rows`` of stack ``st`` set to ``values`` (rows past the stack dropped)."""
+    values = values.astype(buf.dtype)
+    table = _as_rows(st, buf)
+    if table is not None:
+        idx = _row_index(st, rows, table.shape[0], st.dim)
+        return table.at[idx].set(values, mode="drop", unique_indices=True).reshape(-1)
+    dn = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(),
+                                         scatter_dims_to_operand_dims=(0,))
+    return jax.lax.scatter(buf, _row_index(st, rows, buf.size, 1)[:, None], values, dn, unique_indices=True,
+                           mode=_G)
 
 
 def _opt_rows(opt: OptimizerSpec, w, g, st, lr, step):
@@ -112,52 +156,228 @@ def _opt_rows(opt: OptimizerSpec, w, g, st, lr, step):
     return w - lr * upd, (m1, m2)
 
 
-def _update_fn(opts, layout_per_stack, pooled):
-    """The jitted fused backward + optimizer of a collection.
+class GroupKernel:
+    """The jitted lookup / fused update / table gradient of one group (see the comment above).
 
-    ``layout_per_stack[s]``: for pooled outputs, the output column of each slot of stack s."""
+    ``stacks``: :class:`StackLayout` s. ``pooled``: pooled (one output ``(B, sum of dims)``, key
+    ``k`` from stack ``out_slots[k][0]``, slot ``out_slots[k][1]``) or sequence (one ``(S, dim)``
+    output per stack). ``inputs`` of a batch: per stack ``(phys, seg, gain, uflat, uphys)``
+    (:meth:`~torchtpu_rec.preprocess.CoreBuffers.kernel_arrays`); ``segs``: per stack its number
+    of segments S; ``B``: the batch size.
 
-    def upd(tables, states, kins, grads, lrs, steps, segs, B):
-        new_t, new_s = [], []
-        for i, (t, st, k, S) in enumerate(zip(tables, states, kins, segs)):
-            phys, seg, gain, uflat, uphys = k
-            D = t.shape[1]
-            if pooled:
-                cols = layout_per_stack[i]
-                g = grads[0]
-                gseg = jnp.concatenate([jax.lax.slice_in_dim(g, c, c + D, axis=1) for c in cols], axis=0)
-            else:
-                gseg = grads[i]
-            gseg = jnp.concatenate([gseg.astype(jnp.float32), jnp.zeros((1, D), jnp.float32)], axis=0)
-            gid = _gather_rows(gseg, seg) * gain[:, None]
-            nu = uphys.shape[0]
-            G = jax.ops.segment_sum(gid, uflat, num_segments=nu + 1)[:nu]
-            # uphys: distinct rows, padding past the end (read as 0, dropped on write)
-            w = _gather_rows(t, uphys, mode="fill").astype(jnp.float32)
-            srows = tuple(s.at[uphys].get(mode="fill", fill_value=0, unique_indices=True) for s in st)
-            w2, s2 = _opt_rows(opts[i], w, G, srows, lrs[i], steps[i])
-            new_t.append(t.at[uphys].set(w2.astype(t.dtype), mode="drop", unique_indices=True))
+    - ``lookup(bufs, inputs, segs, B)``: gather + weighted segment-sum (pooled) or gather (sequence);
+    - ``update(bufs, states, inputs, grads, lrs, steps, segs, B)`` (donating ``bufs`` and ``states``)
+      and ``update_copy`` (not donating): the backward fused with the optimizer: per stack the
+      gradients of duplicate ids are summed per distinct row, the optimizer updates those rows and
+      they are scattered back; returns the new buffers and states (same shapes);
+    - ``grad(bufs, inputs, grads, segs, B)``: the dense gradient of each buffer (no optimizer).
+    """
+
+    def __init__(self, stacks: Sequence[StackLayout], pooled: bool, out_slots: Sequence = ()):
+        self.stacks = tuple(stacks)
+        self.pooled = bool(pooled)
+        self.out_slots = tuple(tuple(s) for s in out_slots)
+        cols: list = [dict() for _ in self.stacks]
+        c = 0
+        for s, slot in self.out_slots:
+            cols[s][slot] = c
+            c += self.stacks[s].dim
+        self._cols = [tuple(d[k] for k in sorted(d)) for d in cols]
+        self.lookup = jax.jit(self._lookup, static_argnums=(2, 3))
+        self.update = jax.jit(self._update, static_argnums=(6, 7), donate_argnums=(0, 1))
+        self.update_copy = jax.jit(self._update, static_argnums=(6, 7))
+        self.grad = jax.jit(self._grad, static_argnums=(3, 4))
+
+    def state_shapes(self) -> list:
+        """Per stack: optimizer state name -> shape."""
+        return [st.optimizer.state_shapes(st.rows, st.dim) for st in self.stacks]
+
+    # -- pieces
+    def _lookup(self, bufs, inputs, segs, B):
+        flat = [b.reshape(-1) for b in bufs]
+        outs = []
+        for st, ins, S in zip(self.stacks, inputs, segs):
+            phys, seg, gain = ins[0], ins[1], ins[2]
+            buf = flat[st.buffer]
+            rows = _stack_gather(buf, st, phys).astype(jnp.float32)
+            if self.pooled:
+                outs.append(jax.ops.segment_sum(rows * gain[:, None], seg, num_segments=S + 1, mode=_G)[:S])
+            else:  # sequence: one id per segment (gain 1); padding goes to the dropped segment S
+                outs.append(jax.ops.segment_sum(rows, seg, num_segments=S + 1, mode=_G)[:S])
+        if not self.pooled:
+            return tuple(outs)
+        pieces = [jax.lax.slice_in_dim(outs[s], slot * B, (slot + 1) * B, axis=0) for s, slot in self.out_slots]
+        return jnp.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
+
+    def _row_grads(self, i, ins, grads, S):
+        """The gradient of stack ``i`` summed per unique slot: (U, dim)."""
+        st = self.stacks[i]
+        phys, seg, gain, uflat, uphys = ins
+        D = st.dim
+        if self.pooled and not self._cols[i]:  # a stack no feature reads
+            gseg = jnp.zeros((S, D), jnp.float32)
+        elif self.pooled:
+            g = grads[0]
+            gseg = jnp.concatenate([jax.lax.slice_in_dim(g, c, c + D, axis=1) for c in self._cols[i]], axis=0)
+        else:
+            gseg = grads[i]
+        gseg = jnp.concatenate([gseg.astype(jnp.float32), jnp.zeros((1, D), jnp.float32)], axis=0)
+        gid = gseg.at[seg].get(mode=_G)  # plain gather: fuses with the gain multiply (no u64 intermediate)
+        gid = gid * gain[:, None]
+        nu = uphys.shape[0]
+        return jax.ops.segment_sum(gid, uflat, num_segments=nu + 1, mode=_G)[:nu]
+
+    def _update(self, bufs, states, inputs, grads, lrs, steps, segs, B):
+        shapes = [b.shape for b in bufs]
+        flat = [b.reshape(-1) for b in bufs]
+        new_s = []
+        for i, (st, sts, ins, S) in enumerate(zip(self.stacks, states, inputs, segs)):
+            G = self._row_grads(i, ins, grads, S)
+            uphys = ins[4]
+            buf = flat[st.buffer]
+            # padding: clamped reads, dropped below; a plain gather fuses into the optimizer's arithmetic
+            w = _stack_gather(buf, st, uphys, wide=False).astype(jnp.float32)
+            srows = tuple(s.at[uphys].get(mode="fill", fill_value=0, unique_indices=True) for s in sts)
+            w2, s2 = _opt_rows(st.optimizer, w, G, srows, lrs[i], steps[i])
+            flat[st.buffer] = _stack_set(buf, st, uphys, w2)
             new_s.append(tuple(s.at[uphys].set(v.astype(s.dtype), mode="drop", unique_indices=True)
-                               for s, v in zip(st, s2)))
-        return tuple(new_t), tuple(new_s)
+                               for s, v in zip(sts, s2)))
+        return tuple(f.reshape(sh) for f, sh in zip(flat, shapes)), tuple(new_s)
 
-    return (jax.jit(upd, static_argnums=(6, 7), donate_argnums=(0, 1)),
-            jax.jit(upd, static_argnums=(6, 7)))
+    def _grad(self, bufs, inputs, grads, segs, B):
+        flat = [jnp.zeros((b.size,), b.dtype) for b in bufs]
+        for i, (st, ins, S) in enumerate(zip(self.stacks, inputs, segs)):
+            G = self._row_grads(i, ins, grads, S)
+            f = flat[st.buffer]
+            flat[st.buffer] = _stack_set(f, st, ins[4], G)
+        return tuple(f.reshape(b.shape) for f, b in zip(flat, bufs))
 
 
-# ---------------------------------------------------------------- autograd
-class _LookupFunction(torch.autograd.Function):
-    """Forward: the collection's lookup. Backward: the fused update, in place; no gradients out."""
+# ---------------------------------------------------------------- the kernel (torch side)
+class KernelTables:
+    """A :class:`GroupKernel` bound to tpu tensors: ``params()`` gives the table tensors (one per
+    buffer, each owning its whole storage), ``states()`` per stack the optimizer-state tensors.
+
+    ``run(batch)`` is the autograd-aware lookup. With ``fused`` its backward applies the update to
+    the tables in place (the new buffers replace the storages' buffers, donating the old ones when
+    this object made them), and hands no gradient to autograd; otherwise the backward returns the
+    tables' dense gradients. ``lrs`` (per stack; :attr:`lr` sets all) and ``steps`` are host
+    values, so changing them does not recompile.
+    """
+
+    def __init__(self, kernel: GroupKernel, params: Callable[[], list], states: Callable[[], list],
+                 fused: bool = True, donate: bool = True):
+        self.kernel = kernel
+        self.params = params
+        self.states = states
+        self.fused = fused
+        self.donate = donate
+        self.lrs = [st.optimizer.lr for st in kernel.stacks]
+        self.steps = [0] * len(kernel.stacks)
+        self._owned: list = []
+        self.mark_owned()
+
+    @property
+    def lr(self) -> float:
+        return self.lrs[0] if self.lrs else 0.0
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.lrs = [float(value)] * len(self.lrs)
+
+    def mark_owned(self):
+        """Record the current buffers as this object's own (loaded or made here: safe to donate)."""
+        self._owned = [storage_data(p).buf for p in self.params()]
 
     @staticmethod
-    def forward(ctx, module, batch, *weights):
-        ctx.module, ctx.batch = module, batch
-        return module._lookup(batch)
+    def device_inputs(batch: PreprocessedBatch):
+        """The batch's kernel inputs on the device, uploaded once (lookup and update share them)."""
+        if batch.device_inputs is None:
+            batch.device_inputs = jax.device_put(tuple(batch.kernel_inputs))
+        return batch.device_inputs
+
+    @staticmethod
+    def _segs(batch):
+        return tuple(k[2] for k in batch.key[1:])
+
+    def lookup(self, batch: PreprocessedBatch):
+        """The forward outputs as tpu tensors (no autograd)."""
+        bufs = tuple(storage_data(p).buf for p in self.params())
+        with metrics.bucket_scope((("rec_batch", batch.key),)):
+            out = self.kernel.lookup(bufs, self.device_inputs(batch), self._segs(batch), batch.batch_size)
+        if self.kernel.pooled:
+            return torchtpu.from_jax(out)
+        return tuple(torchtpu.from_jax(o) for o in out)
+
+    def run(self, batch: PreprocessedBatch):
+        params = self.params()
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            return _KernelFunction.apply(self, batch, *params)
+        return self.lookup(batch)
+
+    def _checked_storages(self):
+        params = self.params()
+        sds = [storage_data(p) for p in params]
+        for p, sd in zip(params, sds):
+            if p.storage_offset() != 0 or not p.is_contiguous() or sd.buf.size != p.numel():
+                raise RuntimeError(f"torchtpu_rec: table parameter {tuple(p.shape)} no longer owns its whole "
+                                   "storage; load weights through the module's loaders")
+        return params, sds
+
+    def apply_update(self, batch: PreprocessedBatch, grads) -> None:
+        """The fused backward: update tables and optimizer states in place."""
+        if _lazy.pending_count():
+            _lazy.flush("embedding_update")  # pending graphs may read the buffers about to be donated
+        params, sds = self._checked_storages()
+        bufs = tuple(sd.buf for sd in sds)
+        st_t = self.states()
+        st_sds = [[storage_data(s) for s in ss] for ss in st_t]
+        states = tuple(tuple(sd.buf for sd in ss) for ss in st_sds)
+        gj = tuple(torchtpu.to_jax(g) for g in grads)
+        for i in range(len(self.steps)):
+            self.steps[i] += 1
+        # numpy arrays go to the executable directly (jnp.asarray would dispatch ops)
+        lrs = np.asarray(self.lrs, np.float32)
+        steps = np.asarray(self.steps, np.int32)
+        donate = self.donate and len(bufs) == len(self._owned) and all(a is b for a, b in zip(bufs, self._owned))
+        fn = self.kernel.update if donate else self.kernel.update_copy
+        with metrics.bucket_scope((("rec_batch", batch.key),)):
+            new_t, new_s = fn(bufs, states, self.device_inputs(batch), gj, lrs, steps, self._segs(batch),
+                              batch.batch_size)
+        for sd, b in zip(sds, new_t):
+            sd.buf = b
+        for ss, bs in zip(st_sds, new_s):
+            for sd, b in zip(ss, bs):
+                sd.buf = b
+        self._owned = list(new_t)
+        for p in params:  # autograd sees an in-place change (a stale saved weight then errors, not lies)
+            torch.autograd.graph.increment_version(p)
+
+    def dense_grads(self, batch: PreprocessedBatch, grads) -> list:
+        params = self.params()
+        bufs = tuple(storage_data(p).buf for p in params)
+        gj = tuple(torchtpu.to_jax(g) for g in grads)
+        out = self.kernel.grad(bufs, self.device_inputs(batch), gj, self._segs(batch), batch.batch_size)
+        return [torchtpu.from_jax(o.reshape(-1)).view(p.shape) for o, p in zip(out, params)]
+
+
+class _KernelFunction(torch.autograd.Function):
+    """Forward: the group's lookup. Backward: the fused update in place (no gradients out), or the
+    dense table gradients."""
+
+    @staticmethod
+    def forward(ctx, tables, batch, *weights):
+        ctx.tables, ctx.batch = tables, batch
+        return tables.lookup(batch)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.module._apply_update(ctx.batch, grads)
-        return (None, None) + (None,) * len(ctx.module._stacks)
+        tables = ctx.tables
+        grads = tuple(g.contiguous() for g in grads)
+        if tables.fused:
+            tables.apply_update(ctx.batch, grads)
+            return (None, None) + (None,) * len(tables.params())
+        return (None, None) + tuple(tables.dense_grads(ctx.batch, grads))
 
 
 # ---------------------------------------------------------------- modules
@@ -223,14 +443,8 @@ class _SparseCoreCollection(nn.Module):
                 slot_count[si] += 1
                 self._keys.append(f)
                 self._lengths_per_key.append(t.embedding_dim)
-        # pooled output: (stack, slot) per key; per stack the output column of each of its slots
-        col, self._layout = 0, []
-        self._cols: list = [[0] * c for c in slot_count]
-        for f, d in zip(self._keys, self._lengths_per_key):
-            s = self._slots[f]
-            self._layout.append((s.stack, s.slot))
-            self._cols[s.stack][s.slot] = col
-            col += d
+        # pooled output: (stack, slot) per key
+        self._layout = [(self._slots[f].stack, self._slots[f].slot) for f in self._keys]
 
         self.weights = nn.ParameterDict()
         self._state_names: list = []
@@ -248,13 +462,11 @@ class _SparseCoreCollection(nn.Module):
                 self.register_buffer(bname, torchtpu.from_jax(jnp.zeros(shape, jnp.float32)), persistent=False)
                 names.append(bname)
             self._state_names.append(names)
-        self._lrs = [st.optimizer.lr for st in self._stacks]
-        self._steps = [0] * len(self._stacks)
-        self._owned = [None] * len(self._stacks)  # buffers this module made (safe to donate)
-        self._fwd = _forward_fn(tuple(self._layout), self._pooled)
-        self._upd_donate, self._upd_copy = _update_fn(tuple(st.optimizer for st in self._stacks),
-                                                      tuple(tuple(c) for c in self._cols), self._pooled)
-        self._mark_owned()
+        # one buffer per stack (its MOD-sharded rows)
+        kernel = GroupKernel([StackLayout(i, 0, st.physical_rows, st.dim, st.optimizer)
+                              for i, st in enumerate(self._stacks)], self._pooled, self._layout)
+        self._kernel = KernelTables(kernel, self._params, lambda: [self._states(i) for i in range(len(self._stacks))],
+                                    fused=True, donate=donate)
 
     # ------------------------------------------------------------ introspection
     @property
@@ -270,6 +482,11 @@ class _SparseCoreCollection(nn.Module):
     def feature_names(self) -> list:
         return list(self._keys)
 
+    @property
+    def kernel(self) -> KernelTables:
+        """The lookup/update kernel of the collection (:class:`KernelTables`)."""
+        return self._kernel
+
     def embedding_bag_configs(self):
         return list(self._specs)
 
@@ -279,9 +496,6 @@ class _SparseCoreCollection(nn.Module):
     def _states(self, i):
         return [getattr(self, n) for n in self._state_names[i]]
 
-    def _mark_owned(self):
-        self._owned = [storage_data(p).buf for p in self._params()]
-
     # ------------------------------------------------------------ forward
     def preprocess(self, features) -> PreprocessedBatch:
         """Host preprocessing of a KeyedJaggedTensor into per-core buffers (done by forward too)."""
@@ -289,57 +503,9 @@ class _SparseCoreCollection(nn.Module):
                           ids_policy=self.ids_policy, unique_policy=self.unique_policy, overflow=self.overflow,
                           counters=self.counters, check_ids=self.check_ids)
 
-    def _lookup(self, batch: PreprocessedBatch):
-        tables = tuple(torchtpu.to_jax(p) for p in self._params())
-        segs = tuple(k[2] for k in batch.key[1:])
-        with metrics.bucket_scope((("rec_batch", batch.key),)):
-            out = self._fwd(tables, tuple(batch.kernel_inputs), segs, batch.batch_size)
-        if self._pooled:
-            return torchtpu.from_jax(out)
-        return tuple(torchtpu.from_jax(o) for o in out)
-
     def _run(self, features):
         batch = self.preprocess(features)
-        params = self._params()
-        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-            out = _LookupFunction.apply(self, batch, *params)
-        else:
-            out = self._lookup(batch)
-        return batch, out
-
-    # ------------------------------------------------------------ fused update
-    def _apply_update(self, batch: PreprocessedBatch, grads):
-        if _lazy.pending_count():
-            _lazy.flush("sparsecore_update")  # pending graphs may read the buffers about to be donated
-        params = self._params()
-        sds = [storage_data(p) for p in params]
-        for p, sd in zip(params, sds):
-            if p.storage_offset() != 0 or not p.is_contiguous() or sd.buf.size != p.numel():
-                raise RuntimeError(f"torchtpu_rec: table parameter {tuple(p.shape)} no longer owns its whole "
-                                   "storage; load weights with load_table_weights()")
-        tables = tuple(_shaped(sd.buf, p.shape) for sd, p in zip(sds, params))
-        state_sds = [[storage_data(s) for s in self._states(i)] for i in range(len(self._stacks))]
-        states = tuple(tuple(_shaped(sd.buf, s.shape) for sd, s in zip(ssd, self._states(i)))
-                       for i, ssd in enumerate(state_sds))
-        gj = tuple(torchtpu.to_jax(g) for g in grads)
-        for i in range(len(self._steps)):
-            self._steps[i] += 1
-        # numpy scalars-arrays go to the executable directly (jnp.asarray would dispatch ops)
-        lrs = np.asarray(self._lrs, np.float32)
-        steps = np.asarray(self._steps, np.int32)
-        segs = tuple(k[2] for k in batch.key[1:])
-        donate = self.donate and all(a is b for a, b in zip(tables, self._owned))
-        fn = self._upd_donate if donate else self._upd_copy
-        with metrics.bucket_scope((("rec_batch", batch.key),)):
-            new_t, new_s = fn(tables, states, tuple(batch.kernel_inputs), gj, lrs, steps, segs, batch.batch_size)
-        for sd, b in zip(sds, new_t):
-            sd.buf = b
-        for ssd, bs in zip(state_sds, new_s):
-            for sd, b in zip(ssd, bs):
-                sd.buf = b
-        self._owned = list(new_t)
-        for p in params:  # autograd sees an in-place change (a stale saved weight then errors, not lies)
-            torch.autograd.graph.increment_version(p)
+        return batch, self._kernel.run(batch)
 
     # ------------------------------------------------------------ optimizer knobs
     def set_learning_rate(self, lr: float, table: Optional[str] = None) -> None:
@@ -349,12 +515,12 @@ class _SparseCoreCollection(nn.Module):
             raise ValueError(f"learning rate must be a finite number >= 0, not {lr}")
         for i, st in enumerate(self._stacks):
             if table is None or any(t.name == table for t in st.tables):
-                self._lrs[i] = lr
+                self._kernel.lrs[i] = lr
         if table is not None and not any(t.name == table for t in self._specs):
             raise KeyError(f"no table {table!r}")
 
     def learning_rates(self) -> dict:
-        return {st.name: lr for st, lr in zip(self._stacks, self._lrs)}
+        return {st.name: lr for st, lr in zip(self._stacks, self._kernel.lrs)}
 
     # ------------------------------------------------------------ weights / states on the host
     def _locate(self, name):
@@ -391,7 +557,7 @@ class _SparseCoreCollection(nn.Module):
             for st, t, w in items:
                 cur[st.physical_rows_of(t.name)] = w
             storage_data(p).buf = jnp.asarray(cur, dtype=_jdtype(self._stacks[i].dtype))
-        self._mark_owned()
+        self._kernel.mark_owned()
 
     def optimizer_states(self) -> dict:
         """table name -> {state name: CPU tensor} (rows in id order; per-row states are 1-D), plus
@@ -404,7 +570,7 @@ class _SparseCoreCollection(nn.Module):
             for bname, s in zip(self._state_names[i], self._states(i)):
                 arr = np.asarray(jax.device_get(torchtpu.to_jax(s)))
                 d[bname.split("__", 1)[1]] = torch.from_numpy(arr[rows].copy())
-            d["step"] = torch.tensor(self._steps[i])
+            d["step"] = torch.tensor(self._kernel.steps[i])
             out[t.name] = d
         return out
 
@@ -424,7 +590,7 @@ class _SparseCoreCollection(nn.Module):
                 cur[rows] = v
                 storage_data(s).buf = jnp.asarray(cur)
             if "step" in d:
-                self._steps[i] = int(d["step"])
+                self._kernel.steps[i] = int(d["step"])
 
     # TorchRec-style checkpoint keys ("embedding_bags.<table>.weight" / "embeddings.<table>.weight")
     def torchrec_state_dict(self) -> dict:
@@ -461,11 +627,6 @@ class _SparseCoreCollection(nn.Module):
     def extra_repr(self) -> str:
         return (f"tables={[t.name for t in self._specs]}, stacks={len(self._stacks)}, "
                 f"num_sparsecores={self.num_sparsecores}, overflow={self.overflow!r}")
-
-
-def _shaped(buf, shape):
-    shape = tuple(shape)
-    return buf if tuple(buf.shape) == shape else buf.reshape(shape)
 
 
 def _jdtype(dtype):

@@ -40,6 +40,7 @@ from .tables import StackedTable
 
 __all__ = [
     "CoreBuffers",
+    "IdOutOfRangeError",
     "FeatureSlot",
     "PreprocessedBatch",
     "RecCounters",
@@ -49,6 +50,10 @@ __all__ = [
 ]
 
 OVERFLOW_MODES = ("error", "drop")
+
+
+class IdOutOfRangeError(IndexError, ValueError):
+    """An id outside its table (or table shard): the message names the feature and the table."""
 
 
 def default_policy(name: str = "rec_ids", largest: int = 1 << 20) -> BucketPolicy:
@@ -177,6 +182,7 @@ class PreprocessedBatch:
     # sequence features: feature -> (stack, first segment, number of ids, lengths (cpu tensor))
     sequence_layout: dict
     key: tuple  # hashable shape key: (batch, per stack (cap, ucap, S))
+    device_inputs: Optional[tuple] = None  # kernel_inputs on the device, once uploaded (lookup and update share them)
 
 
 def kjt_arrays(kjt) -> tuple:
@@ -212,7 +218,8 @@ def _capacity(policy: BucketPolicy, need: int, overflow: str, what: str):
 def preprocess(kjt, stacks: Sequence[StackedTable], slots: dict, *, is_weighted: bool, pooled: bool,
                ids_policy: BucketPolicy, unique_policy: BucketPolicy, overflow: str = "error",
                counters: Optional[RecCounters] = None, check_ids: bool = True) -> PreprocessedBatch:
-    """Turn ``kjt`` into per-core buffers for ``stacks`` (``slots``: feature -> :class:`FeatureSlot`)."""
+    """Turn ``kjt`` into per-core buffers for ``stacks`` (``slots``: feature -> :class:`FeatureSlot`, or a
+    sequence of them, where a feature named twice takes the KJT's keys of that name in order)."""
     if overflow not in OVERFLOW_MODES:
         raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, not {overflow!r}")
     keys, values, lengths, weights, B = kjt_arrays(kjt)
@@ -230,32 +237,31 @@ def preprocess(kjt, stacks: Sequence[StackedTable], slots: dict, *, is_weighted:
                          f"{values.shape[0]} values")
 
     buffers, kin, seq_layout, key = [], [], {}, [B]
-    plan = _plan(tuple(keys), tuple(slots.values()), len(stacks))
+    plan = _plan(tuple(keys), slots, len(stacks))
     F = len(keys)
-    # one pass over all values: bag -> (key, sample); per value its key's table, slot, row offset
-    bag = np.repeat(np.arange(F * B, dtype=np.int64), lengths)
-    kv = bag // B if B else bag
+    # per value, its key's table row offset / rows / stack, and its segment: one np.repeat of a small
+    # per-key or per-bag array each (no per-value gathers or divisions)
+    len_per_key = lengths.reshape(F, B).sum(1) if B else np.zeros(F, np.int64)
     if check_ids and values.size:
-        bad = (values < 0) | (values >= plan.rows[kv])
+        bad = (values < 0) | (values >= np.repeat(plan.rows, len_per_key))
         if bad.any():
             i = int(np.argmax(bad))
-            k = int(kv[i])
-            sl = slots[keys[k]]
-            raise ValueError(f"torchtpu_rec: feature {keys[k]!r} has id {int(values[i])} out of range for "
-                             f"table {sl.table!r} with {sl.num_embeddings} rows")
-    gids = values + plan.row_offset[kv]
+            k = int(np.searchsorted(np.cumsum(len_per_key), i, side="right"))
+            sl = plan.slot_of[k]
+            raise IdOutOfRangeError(f"torchtpu_rec: feature {keys[k]!r} has id {int(values[i])} out of range for "
+                                    f"table {sl.table!r} with {sl.num_embeddings} rows")
+    gids = values + np.repeat(plan.row_offset, len_per_key) if plan.any_offset else values
     if pooled:
-        seg = plan.slot[kv] * B + (bag - kv * B)
+        seg = np.repeat((plan.slot[:, None] * B + np.arange(B, dtype=np.int64)).reshape(-1), lengths)
         if weights is not None:
             gain = weights.astype(np.float32, copy=True)
         else:
             gain = np.ones(values.shape[0], np.float32)
         if plan.any_mean:
-            mean_v = plan.mean[kv]
-            gain[mean_v] /= np.maximum(lengths[bag[mean_v]], 1).astype(np.float32)
+            div = np.where(np.repeat(plan.mean, B), np.maximum(lengths, 1), 1).astype(np.float32)
+            gain /= np.repeat(div, lengths)
     else:
         # the ids of a stack's features one after the other, in slot order
-        len_per_key = lengths.reshape(F, B).sum(1) if B else np.zeros(F, np.int64)
         key_start = np.zeros(F + 1, np.int64)
         np.cumsum(len_per_key, out=key_start[1:])
         base = np.zeros(F, np.int64)
@@ -265,15 +271,16 @@ def preprocess(kjt, stacks: Sequence[StackedTable], slots: dict, *, is_weighted:
                 base[k] = acc
                 acc += int(len_per_key[k])
                 seq_layout[keys[k]] = (si, int(base[k]), int(len_per_key[k]), lengths[k * B:(k + 1) * B])
-        seg = base[kv] + (np.arange(values.shape[0], dtype=np.int64) - key_start[kv])
+        seg = np.repeat(base - key_start[:-1], len_per_key) + np.arange(values.shape[0], dtype=np.int64)
         gain = np.ones(values.shape[0], np.float32)
+    stack_v = None if plan.single else np.repeat(plan.stack, len_per_key)
 
     tot_ids = tot_drop = tot_udrop = tot_pad = 0
     for si, st in enumerate(stacks):
         if plan.single:
             g_s, seg_s, gain_s = gids, seg, gain
         else:
-            m = plan.stack[kv] == si
+            m = stack_v == si
             g_s, seg_s, gain_s = gids[m], seg[m], gain[m]
         if not plan.sorted[si]:  # the KJT's key order is not the stack's slot order
             o = np.argsort(seg_s, kind="stable")
@@ -308,12 +315,17 @@ class _Plan:
     """Per KJT key order: each key's stack, slot, row offset, rows and combiner, as arrays."""
 
     def __init__(self, keys, slot_list, nstacks):
-        by_feature = {s.feature: s for s in slot_list}
-        missing = [s for s in slot_list if s.feature not in set(keys)]
-        if missing:
-            s = missing[0]
-            raise ValueError(f"torchtpu_rec: feature {s.feature!r} (table {s.table!r}) is missing from the "
-                             f"KeyedJaggedTensor (keys: {list(keys)})")
+        by_feature: dict = {}
+        for s in slot_list:
+            by_feature.setdefault(s.feature, []).append(s)
+        key_count: dict = {}
+        for f in keys:
+            key_count[f] = key_count.get(f, 0) + 1
+        for f, ss in by_feature.items():
+            if key_count.get(f, 0) < len(ss):
+                s = ss[key_count.get(f, 0)]
+                raise ValueError(f"torchtpu_rec: feature {s.feature!r} (table {s.table!r}) is missing from the "
+                                 f"KeyedJaggedTensor (keys: {list(keys)})")
         F = len(keys)
         big = np.iinfo(np.int64).max
         self.stack = np.full(F, -1, np.int64)
@@ -322,14 +334,20 @@ class _Plan:
         self.rows = np.full(F, big, np.int64)  # keys no table reads: never out of range
         self.mean = np.zeros(F, bool)
         self.stack_keys = [[] for _ in range(nstacks)]
+        self.slot_of: list = [None] * F
+        seen: dict = {}
         for k, f in enumerate(keys):
-            s = by_feature.get(f)
-            if s is None:
+            ss = by_feature.get(f, ())
+            n = seen.get(f, 0)
+            seen[f] = n + 1
+            if n >= len(ss):
                 continue
+            s = self.slot_of[k] = ss[n]
             self.stack[k], self.slot[k], self.row_offset[k] = s.stack, s.slot, s.row_offset
             self.rows[k], self.mean[k] = s.num_embeddings, s.mean
             self.stack_keys[s.stack].append(k)
         self.any_mean = bool(self.mean.any())
+        self.any_offset = bool(self.row_offset.any())
         # the KJT's keys of a stack in its slot order: segments come out sorted, no sort needed
         self.sorted = [all(self.slot[a] < self.slot[b] for a, b in zip(ks, ks[1:])) for ks in self.stack_keys]
         for si in range(nstacks):
@@ -340,14 +358,17 @@ class _Plan:
 _plans: dict = {}
 
 
-def _plan(keys, slot_list, nstacks) -> _Plan:
-    ck = (keys, slot_list, nstacks)
-    p = _plans.get(ck)
-    if p is None:
-        p = _Plan(keys, slot_list, nstacks)
-        if len(_plans) > 256:
-            _plans.clear()
-        _plans[ck] = p
+def _plan(keys, slots, nstacks) -> _Plan:
+    """The cached :class:`_Plan` of a KJT key order for ``slots`` (a collection's own dict / list:
+    cached by identity, hashing the slots every batch costs more than the rest of the plan)."""
+    ck = (keys, id(slots), nstacks)
+    hit = _plans.get(ck)
+    if hit is not None and hit[0] is slots:
+        return hit[1]
+    p = _Plan(keys, tuple(slots.values()) if isinstance(slots, dict) else tuple(slots), nstacks)
+    if len(_plans) > 256:
+        _plans.clear()
+    _plans[ck] = (slots, p)
     return p
 
 
@@ -359,72 +380,81 @@ def _stable_order_by_core(core, n):
 
 def _unique_inverse(phys, P):
     """(sorted distinct values of ``phys`` in [0, P), index of each element among them)."""
-    if P <= 8 * max(phys.shape[0], 1):  # a bitmap over the rows beats sorting
-        mark = np.zeros(P, np.int32)
-        mark[phys] = 1
+    if P <= 16 * max(phys.shape[0], 1):  # a bitmap over the rows beats sorting
+        mark = np.zeros(P, bool)
+        mark[phys] = True
         uniq = np.flatnonzero(mark)
-        np.cumsum(mark, out=mark)
-        return uniq, mark[phys] - 1
+        where = np.empty(P, np.int32)  # only the rows in uniq are read back
+        where[uniq] = np.arange(uniq.shape[0], dtype=np.int32)
+        return uniq, where[phys]
     return np.unique(phys, return_inverse=True)
+
+
+def _per_core(bounds, policy, overflow, what):
+    """(count per core, capacity, first index of each entry's core repeated per entry) for entries sorted
+    by core with core ``c`` at ``[bounds[c], bounds[c + 1])``."""
+    counts = np.diff(bounds)
+    cap, _ = _capacity(policy, int(counts.max()) if counts.size else 0, overflow, what)
+    return counts, cap, np.repeat(bounds[:-1], counts)
 
 
 def _core_buffers(gids, seg, gain, S, n, rpc, ids_policy, unique_policy, overflow, stack_name) -> CoreBuffers:
     """``seg`` must be non-decreasing (it is: features in slot order, bags in order)."""
-    core = gids % n
-    local = gids // n
+    if n & (n - 1) == 0:  # power of two: bit ops instead of int64 division
+        core, local = gids & (n - 1), gids >> (n.bit_length() - 1)
+    else:
+        core, local = gids % n, gids // n
     # by core, stable: each core's ids stay in segment order, each bag in its ids' order
     # (the same summation order as TorchRec)
     if n > 1:
         order = _stable_order_by_core(core, n)
         core, local, seg, gain = core[order], local[order], seg[order], gain[order]
-    counts = np.bincount(core, minlength=n)
-    cap, _ = _capacity(ids_policy, int(counts.max()) if counts.size else 0, overflow,
-                       f"stacked table {stack_name!r}")
-    start = np.zeros(n, np.int64)
-    np.cumsum(counts[:-1], out=start[1:])
-    pos = np.arange(core.shape[0]) - start[core]
-    keep = pos < cap
-    dropped = int(core.shape[0] - keep.sum())
-    if dropped:
+    cores = np.arange(n + 1, dtype=np.int64)
+    N = core.shape[0]
+    counts, cap, first = _per_core(np.searchsorted(core, cores), ids_policy, overflow,
+                                   f"stacked table {stack_name!r}")
+    pos = np.arange(N) - first
+    dropped = 0
+    if counts.size and counts.max() > cap:
+        keep = pos < cap
+        dropped = int(N - keep.sum())
         core, local, seg, gain, pos = core[keep], local[keep], seg[keep], gain[keep], pos[keep]
 
-    # distinct rows per core (np.unique order: by core, then row)
+    # distinct rows per core, in (core, row) order
     P = n * rpc
     phys = core * rpc + local
     uniq, inv = _unique_inverse(phys, P)
-    ucore = uniq // rpc
-    ucounts = np.bincount(ucore, minlength=n)
-    ucap, _ = _capacity(unique_policy, int(ucounts.max()) if ucounts.size else 0, overflow,
-                        f"stacked table {stack_name!r} (unique ids)")
-    ustart = np.zeros(n, np.int64)
-    np.cumsum(ucounts[:-1], out=ustart[1:])
-    upos_u = np.arange(uniq.shape[0]) - ustart[ucore]
-    ukeep_u = upos_u < ucap
+    ucounts, ucap, ufirst = _per_core(np.searchsorted(uniq, cores * rpc), unique_policy, overflow,
+                                      f"stacked table {stack_name!r} (unique ids)")
+    upos_u = np.arange(uniq.shape[0]) - ufirst
+    uslot_u = (uniq // rpc) * ucap + upos_u  # flat unique slot of each distinct row
     dropped_u = 0
-    if not ukeep_u.all():
+    ukeep_u = None
+    if ucounts.size and ucounts.max() > ucap:
+        ukeep_u = upos_u < ucap
         ukeep = ukeep_u[inv]
         dropped_u = int((~ukeep).sum())
         core, local, seg, gain, phys = core[ukeep], local[ukeep], seg[ukeep], gain[ukeep], phys[ukeep]
         inv = inv[ukeep]
-        kc = np.bincount(core, minlength=n)  # holes: recompute each kept id's slot in its core
-        ks = np.zeros(n, np.int64)
-        np.cumsum(kc[:-1], out=ks[1:])
-        pos = np.arange(core.shape[0]) - ks[core]
-    counts_kept = np.bincount(core, minlength=n)
+        # holes: recompute each kept id's slot in its core
+        pos = np.arange(core.shape[0]) - np.repeat(np.searchsorted(core, cores)[:-1], np.bincount(core, minlength=n))
+    counts_kept = np.diff(np.searchsorted(core, cores))
 
     slot = core * cap + pos
-    cores = np.arange(n, dtype=np.int64)
-    phys_f = np.repeat((cores * rpc).astype(np.int32), cap)  # padding reads its core's row 0 with gain 0
+    phys_f = np.repeat((cores[:-1] * rpc).astype(np.int32), cap)  # padding reads its core's row 0 with gain 0
     phys_f[slot] = phys
     seg_f = np.full(n * cap, S, np.int32)
     seg_f[slot] = seg
     gain_f = np.zeros(n * cap, np.float32)
     gain_f[slot] = gain
     uflat = np.full(n * cap, n * ucap, np.int32)
-    uflat[slot] = (ucore * ucap + upos_u)[inv]
+    uflat[slot] = uslot_u[inv]
     # padding unique slots point past the table, each at a distinct row (so scatters may assume
     # unique indices) and are dropped by them
-    uphys = (P + np.arange(n * ucap, dtype=np.int64)).astype(np.int32)
-    uphys[(ucore * ucap + upos_u)[ukeep_u]] = uniq[ukeep_u]
+    uphys = np.arange(P, P + n * ucap, dtype=np.int64).astype(np.int32)
+    if ukeep_u is None:
+        uphys[uslot_u] = uniq
+    else:
+        uphys[uslot_u[ukeep_u]] = uniq[ukeep_u]
     return CoreBuffers(n, rpc, cap, ucap, S, phys_f, seg_f, gain_f, uflat, uphys, counts_kept,
                        np.minimum(ucounts, ucap), dropped, dropped_u)

@@ -6,8 +6,19 @@ from .embeddingbag import (
     TPUShardedEmbeddingBagCollection,
 )
 from .embeddingbag import tpu_placements
+from .embedding import (
+    TPU_SEQUENCE_SHARDING_TYPES,
+    TPUEmbeddingCollectionSharder,
+    TPUShardedEmbeddingCollection,
+)
 from .kernel import TPU_COMPUTE_KERNELS, TPUBatchedEmbedding, TPUBatchedEmbeddingBag
 
+
+def tpu_sharders(fused_params=None, **kwargs):
+    """The tpu sharders of EmbeddingBagCollection and EmbeddingCollection (see planner.tpu_sharders)."""
+    from .planner import tpu_sharders as _tpu_sharders
+
+    return _tpu_sharders(fused_params, **kwargs)
 
 
 def tpu_data_parallel_wrapper(**ddp_kwargs):
@@ -29,5 +40,9 @@ __all__ = [
     "TPUBatchedEmbedding",
     "TPUBatchedEmbeddingBag",
     "TPUEmbeddingBagCollectionSharder",
+    "TPUEmbeddingCollectionSharder",
+    "TPU_SEQUENCE_SHARDING_TYPES",
+    "TPUShardedEmbeddingCollection",
+    "tpu_sharders",
     "TPUShardedEmbeddingBagCollection",
 ]

@@ -15,6 +15,7 @@ What changes against TorchRec's own CPU/CUDA path, and why:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List, Optional, Type
 
 import torch
@@ -35,6 +36,8 @@ from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingShard
 from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchtpu.distributed import agreed_arguments
 
 from .kernel import TPU_COMPUTE_KERNELS, TPUGroupedPooledEmbeddingsLookup
 
@@ -128,6 +131,10 @@ class TPUDpPooledEmbeddingSharding(DpPooledEmbeddingSharding):
 class TPUShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """ShardedEmbeddingBagCollection whose shards' tables live on tpu."""
 
+    # forward() sends the KJT lengths/ids without the tpu backend's descriptor exchange (their split
+    # sizes were just exchanged); False keeps the exchange (benchmarks/bench_dmp.py --before measures it)
+    _agreed_kjt_dist = True
+
     @classmethod
     def create_embedding_bag_sharding(
         cls,
@@ -165,8 +172,9 @@ class TPUShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return self
 
     def init_data_parallel(self) -> None:
-        # TorchRec wraps data-parallel lookups in DDP(static_graph=True); the static-graph reducer asks the
-        # PrivateUse1 hooks for a pinned host allocator, which a Python backend cannot provide (torch 2.13),
+        # TorchRec wraps data-parallel lookups in DDP(static_graph=True); the static-graph reducer stages its
+        # used-parameter map in pinned host memory, whose allocator only C++ PrivateUse1 hooks can provide
+        # (torch 2.13's Python hooks forward is_available/has_primary_context/is_built only; docs/rec.md),
         # so tpu replicas use a plain DDP (same gradients, averaged over the group).
         for i, (sharding, lookup) in enumerate(zip(self._embedding_shardings, self._lookups)):
             if isinstance(sharding, DpPooledEmbeddingSharding):
@@ -190,6 +198,17 @@ class TPUShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         finally:
             self._device = device
 
+    def forward(self, *input, **kwargs):
+        # TorchRec's ShardedModule.forward, with the second stage of the KJT all-to-all (lengths, ids,
+        # weights; launched when the splits all-to-all is waited on) issued under agreed_arguments():
+        # its split sizes are the ones every rank just received from its peers, so the tpu backend's
+        # per-collective descriptor exchange could only confirm them (it is one round trip each).
+        ctx = self.create_context()
+        splits = self.input_dist(ctx, *input, **kwargs)
+        with agreed_arguments() if self._agreed_kjt_dist else contextlib.nullcontext():
+            tensors = splits.wait()
+        return self.compute_and_output_dist(ctx, tensors.wait())
+
     def input_dist(self, ctx, features):
         if isinstance(features, KeyedJaggedTensor) and features.values().device.type != "cpu":
             features = features.to(HOST)
@@ -205,7 +224,31 @@ class TPUShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return awaitable
 
 
-class TPUEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+class TPUSharderMixin:
+    """What every tpu sharder shares: the device check and the sharding types and kernels on tpu
+    (``tpu_sharding_types``, set by the sharder); other devices keep TorchRec's own answers."""
+
+    tpu_sharding_types: List[str] = []
+
+    def _check_tpu(self, device: Optional[torch.device], torchrec_sharder: str) -> None:
+        if not _is_tpu(device):
+            raise ValueError(f"{type(self).__name__} shards onto tpu; got device={device} "
+                             f"(use torchrec's own {torchrec_sharder} for cpu/cuda)")
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        if compute_device_type == "tpu":
+            return list(self.tpu_sharding_types)
+        return super().sharding_types(compute_device_type)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        if compute_device_type == "tpu":
+            if sharding_type == ShardingType.DATA_PARALLEL.value:
+                return [EmbeddingComputeKernel.DENSE.value]
+            return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
+        return super().compute_kernels(sharding_type, compute_device_type)
+
+
+class TPUEmbeddingBagCollectionSharder(TPUSharderMixin, EmbeddingBagCollectionSharder):
     """Shards ``EmbeddingBagCollection`` onto tpu (DMP with ``device=torch.device("tpu")``).
 
     ``fused_params`` carries the fused optimizer of FUSED tables (``optimizer``: an fbgemm
@@ -217,25 +260,13 @@ class TPUEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     def shard(self, module: EmbeddingBagCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
               device: Optional[torch.device] = None, module_fqn: Optional[str] = None
               ) -> ShardedEmbeddingBagCollection:
-        if not _is_tpu(device):
-            raise ValueError(f"TPUEmbeddingBagCollectionSharder shards onto tpu; got device={device} "
-                             "(use torchrec's own EmbeddingBagCollectionSharder for cpu/cuda)")
+        self._check_tpu(device, "EmbeddingBagCollectionSharder")
         return TPUShardedEmbeddingBagCollection(
             module=module, table_name_to_parameter_sharding=tpu_placements(params), env=env, fused_params=self.fused_params,
             device=device, qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
             sharded_module_order_overwrite=self._sharded_module_order_overwrite)
 
-    def sharding_types(self, compute_device_type: str) -> List[str]:
-        if compute_device_type == "tpu":
-            return list(TPU_SHARDING_TYPES)
-        return super().sharding_types(compute_device_type)
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        if compute_device_type == "tpu":
-            if sharding_type == ShardingType.DATA_PARALLEL.value:
-                return [EmbeddingComputeKernel.DENSE.value]
-            return [EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value]
-        return super().compute_kernels(sharding_type, compute_device_type)
+    tpu_sharding_types = TPU_SHARDING_TYPES
 
     @property
     def sharded_module_type(self) -> Type[ShardedEmbeddingBagCollection]:

@@ -10,7 +10,9 @@ HBM accelerator like those, so:
 * the estimators and the storage reservation see the same topology as an HBM device (their cost
   model for "cuda": HBM storage and bandwidth), through :func:`_hbm_view`;
 * :class:`TPUEmbeddingShardingPlanner` wires these together; :func:`plan_for_tpu` is the one-call
-  helper (a collective plan: every rank gets rank 0's plan).
+  helper (a collective plan: every rank gets rank 0's plan);
+* :func:`tpu_sharders` gives this project's sharders for both TorchRec embedding modules
+  (``EmbeddingBagCollection`` and ``EmbeddingCollection``), for the planner and for DMP's ``sharders=``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torchrec.distributed.planner.storage_reservations import HeuristicalStorage
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
+from .embedding import TPUEmbeddingCollectionSharder
 from .embeddingbag import TPUEmbeddingBagCollectionSharder, tpu_placements
 
 # HBM per chip (bytes) by TPU generation (public specs)
@@ -94,17 +97,46 @@ class TPUEmbeddingShardingPlanner(EmbeddingShardingPlanner):
                          constraints=constraints, **kwargs)
 
 
+def tpu_sharders(fused_params: Optional[Dict] = None, **kwargs) -> List[ModuleSharder[nn.Module]]:
+    """The tpu sharders of both TorchRec embedding modules, sharing ``fused_params``.
+
+    Pass the list to the planner (:func:`plan_for_tpu`) and to ``DistributedModelParallel(sharders=...)``.
+    """
+    return [TPUEmbeddingBagCollectionSharder(fused_params=fused_params, **kwargs),
+            TPUEmbeddingCollectionSharder(fused_params=fused_params, **kwargs)]
+
+
 def plan_for_tpu(module: nn.Module, sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
                  world_size: Optional[int] = None, pg: Optional[dist.ProcessGroup] = None,
                  constraints: Optional[Dict[str, ParameterConstraints]] = None, batch_size: int = 512,
                  **topology_kwargs) -> ShardingPlan:
-    """A sharding plan for ``module`` on ``world_size`` tpu chips (a collective when ``pg`` is given)."""
-    sharders = sharders if sharders is not None else [TPUEmbeddingBagCollectionSharder()]
+    """A sharding plan for ``module`` on ``world_size`` tpu chips (a collective when ``pg`` is given).
+
+    ``sharders`` default to :func:`tpu_sharders` (EmbeddingBagCollection and EmbeddingCollection).
+    """
+    sharders = sharders if sharders is not None else tpu_sharders()
     if world_size is None:
         world_size = dist.get_world_size(pg) if dist.is_initialized() else 1
     planner = TPUEmbeddingShardingPlanner(TPUTopology(world_size, **topology_kwargs), batch_size=batch_size,
                                           constraints=constraints)
-    plan = planner.collective_plan(module, sharders, pg) if pg is not None else planner.plan(module, sharders)
+    plan = _collective_plan(planner, module, sharders, pg) if pg is not None else planner.plan(module, sharders)
     for module_plan in plan.plan.values():
         tpu_placements(module_plan)
+    return plan
+
+
+def _collective_plan(planner, module, sharders, pg) -> ShardingPlan:
+    """TorchRec's collective_plan (plan on rank 0, broadcast the plan), except that a planner error on
+    rank 0 reaches every rank: TorchRec's own leaves the other ranks waiting in the broadcast."""
+    from torchrec.distributed.collective_utils import invoke_on_rank_and_broadcast_result
+
+    def plan_or_error():
+        try:
+            return planner.plan(module, sharders), None
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            return None, f"{type(e).__name__}: {e}"
+
+    plan, error = invoke_on_rank_and_broadcast_result(pg, 0, plan_or_error)
+    if error is not None:
+        raise RuntimeError(f"plan_for_tpu: the planner failed on rank 0: {error}")
     return plan
