@@ -2,11 +2,15 @@
 
 For the TinyTransformer and the DLRM-style MLP: step time and peak device
 memory per step, measured side by side in one run. Each step is forward,
-loss, backward, AdamW step and zero_grad, closed by ``torchtpu.sync()`` (so a
-step's time includes its flush). Ratios are what to read: the machines are
-shared and absolute times drift. Besides wall time it reports the process's
-CPU time per step (all threads: python, the autograd thread and XLA's), which
-a loaded machine disturbs far less than wall time.
+loss, backward, AdamW step and zero_grad, closed by ``torchtpu.sync()`` on tpu
+(which starts the step's fused graph without waiting for it). Steps are timed
+as CUDA users time them: K steps back to back, then ``torch.tpu.synchronize()``,
+per step = total / K, in every mode alike; the "blocked" figures synchronize
+after every step instead (no overlap between steps). Modes take turns in
+interleaved repeats. Ratios are what to read: the machines are shared and
+absolute times drift. Besides wall time it reports the process's CPU time per
+step (all threads: python, the autograd thread and XLA's), which a loaded
+machine disturbs far less than wall time.
 
     python benchmarks/bench_defer.py --out runs/bench_defer.json
 """
@@ -20,8 +24,12 @@ import statistics
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch CPU and XLA CPU share 2 cores
+# XLA keeps its default CPU runtime: with --xla_cpu_multi_thread_eigen=false its executions ran
+# inline in the dispatching thread (process CPU == wall), which removes the overlap of step N's
+# XLA run with step N+1's recording (measured, benchmarks/README.md).
 
 import torch  # noqa: E402
+import tqdm  # noqa: E402
 
 import torchtpu  # noqa: E402
 from torchtpu.models import DLRMStyleMLP, TinyTransformer  # noqa: E402
@@ -49,47 +57,129 @@ def _to(x, device):
     return x.to(device)
 
 
-def run(case, device, mode, steps, warmup, batch, seq):
-    model, loss_fn, data = case(batch, seq)
-    model = model.to(device)
-    data = _to(data, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ctx = torchtpu.execution_mode(mode) if device == "tpu" else _Null()
-    times, cpus, peaks = [], [], []
-    m0 = None
-    with ctx:
-        for i in range(warmup + steps):
-            if device == "tpu":
-                torchtpu.sync()
-                torch.tpu.reset_peak_memory_stats()
-                base = torch.tpu.memory_allocated()
-            if i == warmup:
-                m0 = torchtpu.metrics.snapshot()
-            t0 = time.perf_counter()
-            c0 = time.process_time()
-            loss = loss_fn(model, data)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if device == "tpu":
-                torchtpu.sync()
-            dt = time.perf_counter() - t0
-            dc = time.process_time() - c0
-            if i >= warmup:
-                times.append(dt)
-                cpus.append(dc)
-                if device == "tpu":
-                    peaks.append(torch.tpu.max_memory_allocated() - base)
-        m1 = torchtpu.metrics.snapshot()
-        final_loss = float(loss.detach().cpu())
-    return {
-        "step_s": statistics.median(times),
-        "cpu_s": statistics.median(cpus),
-        "compiles_timed": m1["compiles"] - m0["compiles"],
-        "flushes_timed": {k: v - m0["flushes"].get(k, 0) for k, v in m1["flushes"].items() if v != m0["flushes"].get(k, 0)},
-        "peak_bytes": max(peaks) if peaks else None,
-        "final_loss": final_loss,
+class _Mode:
+    """One of the three runtimes with its own copy of the model, optimizer and batch."""
+
+    def __init__(self, name, case, batch, seq):
+        self.name = name
+        self.device = "cpu" if name == "cpu_eager" else "tpu"
+        model, self.loss_fn, data = case(batch, seq)
+        self.model = model.to(self.device)
+        self.data = _to(data, self.device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.loss = None
+        self.wall, self.cpu, self.blocked_wall, self.blocked_cpu = [], [], [], []
+        self.peak, self.blocked_peak = [], []
+        self.flushes = {}
+        self.compiles = 0
+
+    def ctx(self):
+        return torchtpu.execution_mode(self.name) if self.device == "tpu" else _Null()
+
+    def step(self):
+        loss = self.loss_fn(self.model, self.data)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.device == "tpu":
+            torchtpu.sync()  # the end of a step: starts its fused graph, does not wait for it
+        self.loss = loss
+
+    def wait(self):
+        if self.device == "tpu":
+            torch.tpu.synchronize()
+
+    def _mem_start(self):
+        if self.device != "tpu":
+            return 0
+        torch.tpu.synchronize()
+        torch.tpu.reset_peak_memory_stats()
+        return torch.tpu.memory_allocated()
+
+    def pipelined(self, k):
+        """K steps back to back, then one synchronize: what a training loop costs (per step)."""
+        with self.ctx():
+            base = self._mem_start()
+            m0 = torchtpu.metrics.snapshot()
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(k):
+                self.step()
+            self.wait()
+            self.wall.append((time.perf_counter() - t0) / k)
+            self.cpu.append((time.process_time() - c0) / k)
+            m1 = torchtpu.metrics.snapshot()
+            if self.device == "tpu":
+                self.peak.append(torch.tpu.max_memory_allocated() - base)
+        self.compiles += m1["compiles"] - m0["compiles"]
+        for r, v in m1["flushes"].items():
+            if v != m0["flushes"].get(r, 0):
+                self.flushes[r] = self.flushes.get(r, 0) + v - m0["flushes"].get(r, 0)
+
+    def blocked(self, k):
+        """K steps each followed by a synchronize (no overlap between steps): median per step."""
+        with self.ctx():
+            walls, cpus = [], []
+            for _ in range(k):
+                base = self._mem_start()
+                t0, c0 = time.perf_counter(), time.process_time()
+                self.step()
+                self.wait()
+                walls.append(time.perf_counter() - t0)
+                cpus.append(time.process_time() - c0)
+                if self.device == "tpu":
+                    self.blocked_peak.append(torch.tpu.max_memory_allocated() - base)
+        self.blocked_wall.append(statistics.median(walls))
+        self.blocked_cpu.append(statistics.median(cpus))
+
+    def summary(self):
+        out = {
+            "step_s": statistics.median(self.wall),
+            "cpu_s": statistics.median(self.cpu),
+            "blocked_step_s": statistics.median(self.blocked_wall),
+            "blocked_cpu_s": statistics.median(self.blocked_cpu),
+            "repeats_step_s": self.wall,
+            "final_loss": float(self.loss.detach().cpu()),
+        }
+        if self.device == "tpu":
+            out.update(peak_bytes=max(self.peak), blocked_peak_bytes=max(self.blocked_peak),
+                       compiles_timed=self.compiles, flushes_timed=self.flushes)
+        return out
+
+
+def run_case(case, args):
+    modes = [_Mode(n, case, args.batch, args.seq) for n in ("cpu_eager", "strict_eager", "defer_and_fuse")]
+    for m in modes:  # warm-up: compiles, the optimizer's state, the graph cache
+        m.blocked(args.warmup)
+        m.pipelined(2)
+        m.wall.clear(), m.cpu.clear(), m.blocked_wall.clear(), m.blocked_cpu.clear()
+        m.peak.clear(), m.blocked_peak.clear()
+        m.flushes, m.compiles = {}, 0
+    # interleaved: every repeat runs each mode in turn (order rotated), so load from other
+    # jobs falls on all of them alike
+    for r in tqdm.trange(args.repeats, desc="repeats", leave=False):
+        order = modes[r % 3:] + modes[: r % 3]
+        for m in order:
+            m.pipelined(args.steps)
+        for m in order:
+            m.blocked(args.steps)
+    by = {m.name: m for m in modes}
+    res = {m.name: m.summary() for m in modes}
+
+    def per_repeat(a, b, attr):
+        return statistics.median([x / y for x, y in zip(getattr(by[a], attr), getattr(by[b], attr))])
+
+    res["ratios"] = {
+        "strict_over_defer_time": per_repeat("strict_eager", "defer_and_fuse", "wall"),
+        "strict_over_defer_cpu_time": per_repeat("strict_eager", "defer_and_fuse", "cpu"),
+        "defer_over_cpu_time": per_repeat("defer_and_fuse", "cpu_eager", "wall"),
+        "defer_over_cpu_cpu_time": per_repeat("defer_and_fuse", "cpu_eager", "cpu"),
+        "blocked_strict_over_defer_time": per_repeat("strict_eager", "defer_and_fuse", "blocked_wall"),
+        "blocked_strict_over_defer_cpu_time": per_repeat("strict_eager", "defer_and_fuse", "blocked_cpu"),
+        "blocked_defer_over_cpu_time": per_repeat("defer_and_fuse", "cpu_eager", "blocked_wall"),
+        "defer_over_strict_peak_memory": res["defer_and_fuse"]["blocked_peak_bytes"]
+        / max(1, res["strict_eager"]["blocked_peak_bytes"]),
     }
+    return res
 
 
 class _Null:
@@ -102,45 +192,46 @@ class _Null:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="steps per timed block (K)")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats of every mode")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--only", choices=("transformer", "dlrm_mlp"), default=None)
     ap.add_argument("--out", default="runs/bench_defer.json")
-    ap.add_argument("--quick", action="store_true", help="3 warm-up and 3 timed steps (< 60 s)")
+    ap.add_argument("--quick", action="store_true", help="3 warm-up steps, 2 repeats of 3 steps (< 60 s)")
     args = ap.parse_args()
     if args.quick:
-        args.steps, args.warmup = 3, 3
+        args.steps, args.warmup, args.repeats = 3, 3, 2
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-    results = {"loadavg_1min_at_start": os.getloadavg()[0]}  # above the core count: trust cpu times, not wall
-    for name, case in (("transformer", transformer_case), ("dlrm_mlp", dlrm_case)):
-        r = {}
-        r["cpu_eager"] = run(case, "cpu", None, args.steps, args.warmup, args.batch, args.seq)
-        r["strict_eager"] = run(case, "tpu", "strict_eager", args.steps, args.warmup, args.batch, args.seq)
-        r["defer_and_fuse"] = run(case, "tpu", "defer_and_fuse", args.steps, args.warmup, args.batch, args.seq)
-        r["ratios"] = {
-            "strict_over_defer_time": r["strict_eager"]["step_s"] / r["defer_and_fuse"]["step_s"],
-            "strict_over_defer_cpu_time": r["strict_eager"]["cpu_s"] / r["defer_and_fuse"]["cpu_s"],
-            "defer_over_cpu_time": r["defer_and_fuse"]["step_s"] / r["cpu_eager"]["step_s"],
-            "defer_over_cpu_cpu_time": r["defer_and_fuse"]["cpu_s"] / r["cpu_eager"]["cpu_s"],
-            "defer_over_strict_peak_memory": r["defer_and_fuse"]["peak_bytes"] / max(1, r["strict_eager"]["peak_bytes"]),
-        }
+    results = {"loadavg_1min_at_start": os.getloadavg()[0],  # above the core count: trust cpu times, not wall
+               "steps_per_block": args.steps, "repeats": args.repeats,
+               "omp_num_threads": os.environ["OMP_NUM_THREADS"], "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    cases = (("transformer", transformer_case), ("dlrm_mlp", dlrm_case))
+    for name, case in cases:
+        if args.only and name != args.only:
+            continue
+        r = run_case(case, args)
         results[name] = r
-        print(f"\n{name}")
+        print(f"\n{name}  (per step: {args.repeats} interleaved repeats of {args.steps} steps, then one synchronize;"
+              f" 'blocked': synchronize after every step)")
         for k in ("cpu_eager", "strict_eager", "defer_and_fuse"):
             v = r[k]
-            peak = "" if v["peak_bytes"] is None else f"  peak {v['peak_bytes'] / 2**20:7.2f} MiB"
+            peak = "" if k == "cpu_eager" else f"  peak {v['blocked_peak_bytes'] / 2**20:6.2f} MiB"
             extra = f"  compiles {v['compiles_timed']} flushes {v['flushes_timed']}" if k != "cpu_eager" else ""
-            print(f"  {k:15s} {v['step_s'] * 1e3:9.2f} ms/step wall {v['cpu_s'] * 1e3:9.2f} ms/step cpu"
+            print(f"  {k:15s} {v['step_s'] * 1e3:8.2f} ms wall {v['cpu_s'] * 1e3:8.2f} ms cpu | blocked "
+                  f"{v['blocked_step_s'] * 1e3:8.2f} ms wall {v['blocked_cpu_s'] * 1e3:8.2f} ms cpu"
                   f"{peak}  loss {v['final_loss']:.4f}{extra}")
         for k, v in r["ratios"].items():
-            print(f"  {k:32s} {v:6.2f}x")
+            print(f"  {k:36s} {v:6.2f}x")
+    results["loadavg_1min_at_end"] = os.getloadavg()[0]
+    print(f"\nload average (1 min): {results['loadavg_1min_at_start']:.2f} at start, {results['loadavg_1min_at_end']:.2f} at end")
     results["metrics"] = torchtpu.metrics.snapshot()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2, default=str)
-    print(f"\nwrote {args.out}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

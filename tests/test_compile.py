@@ -17,7 +17,7 @@ import torch._dynamo
 
 import torchtpu
 import torchtpu.compile  # noqa: F401  (registers the "tpu" backend until __init__ imports it)
-from torchtpu.models import TinyTransformer, TransformerConfig
+from torchtpu.models import TinyTransformer, TransformerConfig, training_step
 
 
 @pytest.fixture(autouse=True)
@@ -80,38 +80,25 @@ def _batch():
 
 
 def _train(device, mode, make_opt):
-    """mode: 'eager', 'fwd_bwd' (loss+backward compiled, optimizer eager), 'step' (whole step compiled)."""
+    """mode: one of torchtpu.models.TRAINING_STEP_MODES (the benchmark builds its steps the same way)."""
     torch.manual_seed(0)
     model = TinyTransformer(CFG).to(device)
     opt = make_opt(model.parameters())
     x, y = (t.to(device) for t in _batch())
-
-    def step():
-        loss = model.loss(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss
-
-    if mode == "step":
-        run = torch.compile(step, backend="tpu")
-    elif mode == "fwd_bwd":
-
-        @torch.compile(backend="tpu")
-        def fwd_bwd():
-            loss = model.loss(x, y)
-            loss.backward()
-            return loss
-
-        def run():
-            opt.zero_grad(set_to_none=True)
-            loss = fwd_bwd()
-            opt.step()
-            return loss
-    else:
-        run = step
+    run = training_step(model, opt, x, y, mode)
     losses = [run().item() for _ in range(STEPS)]
     return losses, model
+
+
+def _check_params(model, ref_model):
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5, msg=n)
+
+
+def _graph_misses(snap=None):
+    """Executables built for compiled graphs (all graphs; metrics keys them per graph)."""
+    snap = snap or torchtpu.metrics.snapshot()
+    return sum(n for k, n in snap["cache_misses"].items() if torchtpu.compile.is_graph_label(k))
 
 
 def _adamw(p):
@@ -132,8 +119,7 @@ def test_transformer_forward_backward_compiled_matches_eager():
     ref, ref_model = _train("cpu", "eager", _adamw)
     got, model = _train("tpu", "fwd_bwd", _adamw)
     _check_losses(got, ref)
-    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5, msg=n)
+    _check_params(model, ref_model)
 
 
 @pytest.mark.parametrize("make_opt", [_adamw, _sgd], ids=["adamw", "sgd"])
@@ -141,13 +127,75 @@ def test_whole_training_step_compiled(make_opt):
     """Forward, backward and optimizer.step() inside torch.compile: parameters are updated in place."""
     ref, ref_model = _train("cpu", "eager", make_opt)
     torchtpu.metrics.reset()
-    got, model = _train("tpu", "step", make_opt)
+    got, model = _train("tpu", "whole", make_opt)
     _check_losses(got, ref)
-    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5, msg=n)
+    _check_params(model, ref_model)
     snap = torchtpu.metrics.snapshot()
-    assert snap["cache_misses"]["compiled graph"] >= 2  # forward/backward and optimizer graphs
+    assert _graph_misses(snap) >= 2  # forward/backward and optimizer graphs
     assert not snap["cpu_fallbacks"], snap["cpu_fallbacks"]
+
+
+def test_traced_backward_step_is_two_graphs_and_matches_eager():
+    """trace_autograd_ops: forward+backward in one graph, the optimizer in another; same losses."""
+    ref, ref_model = _train("cpu", "eager", _adamw)
+    torchtpu.metrics.reset()
+    got, model = _train("tpu", "traced_backward", _adamw)
+    _check_losses(got, ref)
+    _check_params(model, ref_model)
+    roles = sorted(k.rsplit(" ", 1)[1] for k in torchtpu.metrics.snapshot()["cache_misses"]
+                   if torchtpu.compile.is_graph_label(k))
+    assert "backward" not in roles, roles  # no AOTAutograd backward graph: the backward is traced in
+    assert len(roles) == 2, roles
+
+
+def test_fused_adamw_step_is_correct_under_compile():
+    """Dynamo graph-breaks on AdamW(fused=True) (a torch.compiler.disable'd piece of torch.optim, for
+    every backend): optimizer.step() runs eagerly as ONE _fused_adamw_ executable (the registry's
+    lowering), the rest compiled; results equal eager."""
+    ref, _ = _train("cpu", "eager", lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True))
+    torchtpu.metrics.reset()
+    got, _ = _train("tpu", "whole", lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True))
+    _check_losses(got, ref)
+    misses = torchtpu.metrics.snapshot()["cache_misses"]
+    assert misses["aten::_fused_adamw_"] == 1, misses
+
+
+def test_recompile_warning_is_per_graph():
+    """Many different graphs are not recompiles; one graph recompiled per shape is."""
+    torchtpu.metrics.set_recompile_warning_threshold(3)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", torchtpu.metrics.RecompileWarning)
+            for k in range(6):  # six graphs (one frame each), one executable each
+                f = torch.compile(eval(f"lambda x: x * {k + 2} + 1"), backend="tpu")
+                assert f(torch.ones(3).to("tpu")).cpu().tolist() == [k + 3.0] * 3
+        g = torch.compile(lambda x: x.exp() * 2, backend="tpu", dynamic=False)
+        with pytest.warns(torchtpu.metrics.RecompileWarning, match=r"compiled graph <lambda>.*#\d+ inference"):
+            for n in range(1, 6):  # the same graph at five shapes
+                g(torch.ones(n).to("tpu"))
+    finally:
+        torchtpu.metrics.set_recompile_warning_threshold(16)
+
+
+def test_slice_scatter_select_scatter_and_rand_like_in_graph():
+    def f(a, b):
+        c = a.clone()
+        c[:, 1:3] = b  # slice_scatter after functionalization
+        c[0] = 7.0  # select_scatter
+        r = torch.rand_like(a)
+        n = torch.randn_like(a)
+        return c * 2, r, n
+
+    a, b = torch.arange(12.0).reshape(3, 4), torch.ones(3, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchtpu.TPUFallbackWarning)  # the graph is lowered
+        got, r, n = torch.compile(f, backend="tpu")(a.to("tpu"), b.to("tpu"))
+    torch.testing.assert_close(got.cpu(), f(a, b)[0])
+    r = r.cpu()
+    assert r.shape == a.shape and r.dtype == a.dtype and bool(((r >= 0) & (r < 1)).all()) and r.unique().numel() > 1
+    assert n.shape == a.shape and n.cpu().unique().numel() > 1
+    torch.testing.assert_close(torch.slice_scatter(a.to("tpu"), b.to("tpu"), 1, 1, 3).cpu(),
+                               torch.slice_scatter(a, b, 1, 1, 3))  # the eager kernel too
 
 
 # ---------------------------------------------------------------- graph breaks, fallback
@@ -296,15 +344,7 @@ def test_compiled_optimizer_step_has_no_eager_epilogue():
     model = TinyTransformer(CFG).to("tpu")
     opt = _adamw(model.parameters())
     x, y = (t.to("tpu") for t in _batch())
-
-    @torch.compile(backend="tpu")
-    def step():
-        loss = model.loss(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = training_step(model, opt, x, y, "whole")
     step(), step()
     torchtpu.metrics.reset()
     for _ in range(3):
@@ -339,7 +379,7 @@ def test_dynamic_sequence_lengths_compile_per_bucket():
             assert out.shape == (2, T, 64)
             torch.testing.assert_close(out.cpu(), cpu(ids), rtol=1e-4, atol=1e-5)
     snap = torchtpu.metrics.snapshot()
-    assert snap["cache_misses"]["compiled graph"] <= 4, snap["cache_misses"]
+    assert _graph_misses(snap) <= 4, snap["cache_misses"]
     assert len(snap["compiles_by_bucket"]) == 4, snap["compiles_by_bucket"]
 
 
@@ -367,7 +407,7 @@ def test_mark_dynamic_with_policy_option_and_unsafe_graph():
             torch._dynamo.mark_dynamic(xt, 1)
             for got, ref in zip(cs(xt), safe(x)):
                 torch.testing.assert_close(got.cpu(), ref, rtol=1e-5, atol=1e-5)
-    assert torchtpu.metrics.snapshot()["cache_misses"]["compiled graph"] == 2  # buckets 16 and 32
+    assert _graph_misses() == 2  # buckets 16 and 32
     torchtpu.metrics.reset()
     with pytest.warns(torchtpu.metrics.RecompileWarning, match="_softmax.*dynamic dim"):
         for n in sizes:
@@ -375,4 +415,4 @@ def test_mark_dynamic_with_policy_option_and_unsafe_graph():
             xt = x.to("tpu")
             torch._dynamo.mark_dynamic(xt, 1)
             torch.testing.assert_close(cu(xt).cpu(), unsafe(x), rtol=1e-5, atol=1e-5)
-    assert torchtpu.metrics.snapshot()["cache_misses"]["compiled graph"] == len(sizes)
+    assert _graph_misses() == len(sizes)

@@ -309,3 +309,112 @@ def test_transformer_loop_is_one_fused_graph_per_step_including_backward():
     assert grew == {"loop": 8}, grew  # no "materialize" flush: backward was recorded, not run
     assert end["compiles"] == start["compiles"]
     assert torch.isfinite(loss.cpu())
+
+
+# ---------------------------------------------------------------- asynchronous flushes
+def _mlp_steps(mode, steps, sync_each):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(32, 1, generator=torch.Generator().manual_seed(2))
+    model = model.to("tpu")
+    x, y = x.to("tpu"), y.to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    with torchtpu.execution_mode(mode):
+        for _ in range(steps):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())  # no host read inside the loop
+            if sync_each:
+                torchtpu.sync()
+                assert len(lazy._inflight) <= lazy.MAX_IN_FLIGHT
+        torch.tpu.synchronize()
+        assert not lazy._inflight
+        return [p.cpu() for p in model.parameters()], torch.stack(losses).cpu()
+
+
+@pytest.mark.parametrize("sync_each", [True, False])
+def test_chained_steps_without_host_reads_match_strict_eager(sync_each, monkeypatch):
+    """sync() returns once the step's graph is dispatched; the next step records (and donates
+    the parameters the running graph is still writing) before it finishes."""
+    monkeypatch.setattr(lazy, "MIN_LOOP_PERIOD", 8)
+    before = flushes()
+    params_d, losses_d = _mlp_steps("defer_and_fuse", 8, sync_each)
+    after = flushes()
+    reason = "sync" if sync_each else "loop"
+    assert after.get(reason, 0) - before.get(reason, 0) >= 6
+    params_s, losses_s = _mlp_steps("strict_eager", 8, sync_each)
+    torch.testing.assert_close(losses_d, losses_s, rtol=1e-5, atol=1e-6)
+    for a, b in zip(params_d, params_s):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+_lib.define("host_check(Tensor x) -> Tensor")
+_lib.impl("host_check", lambda x: torch.empty_like(x), "Meta")
+
+
+def _host_check_lowering(x):
+    """Fails while the executable RUNS (a host callback), not while it is traced."""
+    import jax
+    import numpy as np
+
+    def check(v):
+        if np.any(v < 0):
+            raise ValueError("host_check: negative input")
+        return v
+
+    return jax.pure_callback(check, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+def test_runtime_error_of_a_dispatched_graph_names_the_recording_line(defer):
+    from torchtpu import registry
+
+    low = registry.Lowering("torchtpu_defer_test::host_check.default", _host_check_lowering)
+    registry._register_kernel(torch.ops.torchtpu_defer_test.host_check.default, low)
+    x = torch.ones(3).to("tpu")
+    ok = torch.ops.torchtpu_defer_test.host_check(x * 2)
+    torchtpu.sync()
+    torch.testing.assert_close(ok.cpu(), torch.full((3,), 2.0))
+    bad = torch.ops.torchtpu_defer_test.host_check(x - 5)  # recorded here: the error must name this line
+    line = traceback.extract_stack()[-1].lineno - 1
+    with pytest.raises(Exception, match="negative input") as info:
+        torchtpu.sync()  # dispatches (XLA may raise here or when the result is waited for)
+        bad.cpu()
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"{__file__}:{line}" in notes, notes
+    assert "host_check" in notes
+    # nothing is left in flight and later work runs
+    torch.tpu.synchronize()
+    torch.testing.assert_close((x + 1).cpu(), torch.full((3,), 2.0))
+
+
+def test_flush_after_backward_is_its_own_counted_trigger(monkeypatch):
+    monkeypatch.setattr(lazy, "FLUSH_AFTER_BACKWARD", True)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
+    lin.zero_grad()
+    (lin(x) ** 2).sum().backward()
+    want = lin.weight.grad.clone()
+    lin_t = torch.nn.Linear(4, 3).to("tpu")
+    with torch.no_grad():
+        lin_t.weight.copy_(lin.weight.to("tpu"))
+        lin_t.bias.copy_(lin.bias.to("tpu"))
+    with torchtpu.execution_mode("defer_and_fuse"):
+        before = flushes().get("backward", 0)
+        loss = (lin_t(x.to("tpu")) ** 2).sum()
+        assert flushes().get("backward", 0) == before
+        loss.backward()
+        assert flushes().get("backward", 0) == before + 1
+        assert lazy.pending_count() == 0  # forward and backward went out as one graph
+        lin_t.weight.data.mul_(1.0)  # the optimizer part records after it
+        assert lazy.pending_count() == 1
+        torch.testing.assert_close(lin_t.weight.grad.cpu(), want, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(lazy, "FLUSH_AFTER_BACKWARD", False)
+    with torchtpu.execution_mode("defer_and_fuse"):
+        before = flushes().get("backward", 0)
+        (lin_t(x.to("tpu")) ** 2).sum().backward()
+        assert flushes().get("backward", 0) == before

@@ -23,6 +23,7 @@ _device.register()
 
 from . import fallback as _fallback  # noqa: E402
 from . import bucketing, metrics  # noqa: E402
+from . import lazy as _lazy  # noqa: E402
 from . import registry as _registry  # noqa: E402
 from . import ops  # noqa: E402,F401
 from .fallback import TPUFallbackWarning, cpu_fallback_enabled, set_cpu_fallback  # noqa: E402
@@ -47,8 +48,10 @@ if os.environ.get("TORCHTPU_COMPILATION_CACHE_DIR"):
 
 
 def sync() -> None:
-    """Make every pending tpu computation complete (``torch.tpu.synchronize()``)."""
-    synchronize()
+    """Start every pending (DeferAndFuse) tpu computation and return without waiting for it,
+    like ``torch_xla``'s ``mark_step`` or a CUDA launch: the next step's Python overlaps this
+    one's XLA run. Host reads (``.item()``, ``.cpu()``) and ``torch.tpu.synchronize()`` wait."""
+    _lazy.flush("sync")
 
 
 def device() -> torch.device:

@@ -23,6 +23,21 @@ of the graph proves the real part of every output unchanged (no reduction,
 contraction or softmax over a padded dim; causal attention is fine); any other
 dynamic graph compiles per size with one ``RecompileWarning`` saying why.
 
+Training steps: Dynamo breaks ``loss.backward(); opt.step()`` into a forward graph, a
+backward graph (run by the autograd engine) and an optimizer graph. With
+``torch._dynamo.config.trace_autograd_ops = True`` Dynamo traces ``backward()`` into the
+forward's graph instead (two executables, no autograd engine at run time), provided
+``zero_grad`` is called outside the compiled function and no tensor with a ``grad_fn``
+outlives ``backward()`` (``loss = loss.detach()`` before ``opt.step()``);
+``torchtpu.models.training_step(..., mode="traced_backward")`` is that pattern. As for
+cuda/xpu, a compiled optimizer on tpu params is made ``capturable`` (step counters on the
+device). ``AdamW(fused=True)``: Dynamo graph-breaks on the fused path for every backend, so
+its step runs eagerly as one ``_fused_adamw_`` executable.
+
+Metrics: each graph's executables are counted under its own name (``graph_label``:
+function, file:line, Dynamo frame id, forward/backward/inference), so the
+``RecompileWarning`` fires only when the same graph keeps recompiling.
+
 A graph containing an op with no lowering runs eagerly through its FX
 GraphModule on tpu tensors (eager kernels and the CPU fallback handle it), with
 one warning naming the op(s); with CPU fallback off it raises instead.
@@ -34,12 +49,14 @@ import collections
 import functools
 import math
 import operator
+import os
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+import torch._guards
 from torch.utils import _pytree as pytree
 
 from . import dtypes, fallback, lazy, metrics, registry, storage
@@ -180,6 +197,25 @@ _VIEWS[aten.eye.default] = _eye
 _VIEWS[aten.eye.m] = _eye
 
 
+# random factories: the same distributions as the registry's uniform_/normal_ lowerings, with
+# a fresh key per call (a graph input), shape and dtype from the node's FakeTensor
+def _rand_factory(lowering, *params):
+    def fn(n, *args, key=None):
+        shape, dt = _meta_shape_dtype(n)
+        return registry.LOWERINGS[lowering].fn(jnp.zeros(shape, dt), *params, None, key=key)
+
+    return fn
+
+
+_RANDOM_FACTORIES = {
+    aten.rand_like.default: _rand_factory("aten::uniform.default", 0.0, 1.0),
+    aten.rand.default: _rand_factory("aten::uniform.default", 0.0, 1.0),
+    aten.randn_like.default: _rand_factory("aten::normal_functional.default", 0.0, 1.0),
+    aten.randn.default: _rand_factory("aten::normal_functional.default", 0.0, 1.0),
+}
+_VIEWS.update(_RANDOM_FACTORIES)
+
+
 # SDPA on tpu routes to the overload PyTorch reserves for out-of-tree backends; in a graph it
 # runs the same torchtpu::sdpa_* lowerings as the eager kernels in ops/nn.py
 def _sdpa_fwd(n, q, k, v, bias=None, dropout_p=0.0, is_causal=False, debug=False, scale=None, key=None):
@@ -237,6 +273,8 @@ def _is_random(node) -> bool:
     t = node.target
     if t is _SDPA:
         return _bind(t, node.args, node.kwargs)[4] > 0
+    if t in _RANDOM_FACTORIES:
+        return True
     return _kind(node) == "lower" and registry.LOWERINGS[_qualname(t)].random
 
 
@@ -662,8 +700,9 @@ class _GraphProgram:
     random keys). Input mutations the graph carries (``copy_`` into a placeholder) are computed
     inside it and written back with one storage swap per input, its old buffer donated."""
 
-    def __init__(self, gm: torch.fx.GraphModule, policy=None):
+    def __init__(self, gm: torch.fx.GraphModule, policy=None, label="compiled graph"):
         self.gm = gm
+        self.label = label  # metrics key: one per Dynamo frame and role, so recompiles of THIS graph count
         self.nodes = list(gm.graph.nodes)
         self.phs = [n for n in self.nodes if n.op == "placeholder"]
         self.random_nodes = [n for n in self.nodes if n.op == "call_function" and _is_random(n)]
@@ -679,6 +718,7 @@ class _GraphProgram:
         self.static_idx = [i for i, v in enumerate(vals) if not isinstance(v, torch.Tensor)]
         pos = {i: k for k, i in enumerate(self.tensor_idx)}
         self.donate_pos = tuple(pos[i] for i in self.mutated if i in pos)
+        self._mut_tensor_pos = [pos.get(i) for i in self.mutated]  # position among the tensor arrays
         out = self.nodes[-1].args[0]
         self.out_leaves = pytree.tree_leaves(out) if isinstance(out, (list, tuple)) else [out]
         self.out_info = []
@@ -688,6 +728,7 @@ class _GraphProgram:
                 self.out_info.append((v.dtype, v.device.type != "tpu", v.device))
             else:
                 self.out_info.append(None)
+        self._all_tensor_outs = all(info is not None for info in self.out_info)
         # dynamic sizes: each symbol and where its value is read from (a SymInt input or a tensor dim)
         self.sym_sources = {}
         for i, v in enumerate(vals):
@@ -800,7 +841,7 @@ class _GraphProgram:
         e = self._entries.get(key)
         if e is None:
             e = self._entries[key] = _Entry()
-            metrics.record_miss("compiled graph", (len(self.nodes),) + tuple(key))
+            metrics.record_miss(self.label, (len(self.nodes),) + tuple(key))
         return e
 
     def _jit(self, e, statics, env, donate):
@@ -825,18 +866,14 @@ class _GraphProgram:
 
     def _execute(self, args, key, statics, env, pad_to, real_env):
         e = self._entry(key, statics, env)
-        arrays = []
-        whole = {}
-        for i in self.tensor_idx:
-            a, w = _arg_array(args[i])
-            if pad_to is not None:
-                shp = pad_to[i]
-                if a.shape != shp:
-                    a = _pad_jit(shp)(a)
-            arrays.append(a)
-            whole[i] = w
-        donate = bool(self.donate_pos) and all(whole[i] for i in self.mutated if i in whole)
-        if donate:
+        pairs = [_arg_array(args[i]) for i in self.tensor_idx]
+        arrays = [a for a, _ in pairs]
+        if pad_to is not None:
+            arrays = [a if a.shape == pad_to[i] else _pad_jit(pad_to[i])(a) for a, i in zip(arrays, self.tensor_idx)]
+        # per mutated input: is its array the whole storage buffer (then donate it and swap)?
+        mut_whole = [p is not None and pairs[p][1] for p in self._mut_tensor_pos]
+        donate = bool(self.donate_pos) and all(w for w, p in zip(mut_whole, self._mut_tensor_pos) if p is not None)
+        if donate and len({id(a) for a in arrays}) != len(arrays):  # an array passed twice: not donatable
             ids = collections.Counter(map(id, arrays))
             donate = all(ids[id(arrays[k])] == 1 for k in self.donate_pos)
         fn = (e.donating if donate else e.plain) or self._jit(e, statics, env, donate)
@@ -848,7 +885,9 @@ class _GraphProgram:
         else:
             outs, muts = fn(*arrays, *keys)
         if muts:
-            _write_back([args[i] for i in self.mutated], muts, [whole.get(i, False) for i in self.mutated])
+            _write_back([args[i] for i in self.mutated], muts, mut_whole)
+        if self._all_tensor_outs and real_env is None:  # the common case: every output a tensor
+            return [_wrap_array(o, info) for o, info in zip(outs, self.out_info)]
         res = []
         it = iter(outs)
         for k, info in enumerate(self.out_info):
@@ -995,7 +1034,27 @@ def _no_kernel(op) -> bool:
         return True
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs, policy=None):
+def graph_label(role="graph") -> str:
+    """The metrics name of the graph Dynamo is compiling now: ``compiled graph <fn> (<file>:<line>)
+    #<frame> <role>``. Dynamo gives each frame (code object) one frame id and recompiles of it
+    keep that id, so executables built under one label are recompiles of the same graph."""
+    cid = torch._guards.CompileContext.current_compile_id()
+    where = ""
+    ctx = torch._guards.TracingContext.try_get()
+    env = getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
+    co = getattr(env, "co_fields", None) or {}
+    if co:
+        where = f" {co.get('co_name')} ({os.path.basename(str(co.get('co_filename')))}:{co.get('co_firstlineno')})"
+    frame = f" #{cid.frame_id}" if cid is not None and cid.frame_id is not None else ""
+    return f"compiled graph{where}{frame} {role}"
+
+
+def is_graph_label(name: str) -> bool:
+    """True for the metrics names of compiled graphs (not the eager-fallback ones)."""
+    return name.startswith("compiled graph") and "(eager:" not in name
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs, policy=None, label=None):
     """FX graph of aten ops -> boxed callable running it as one jitted JAX function."""
     missing = sorted(
         {
@@ -1037,7 +1096,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, policy=None):
         run_eager._boxed_call = True
         return run_eager
 
-    prog = _GraphProgram(gm, policy or _default_policy())
+    prog = _GraphProgram(gm, policy or _default_policy(), label or graph_label())
 
     def run(args):
         out = prog(args)
@@ -1095,11 +1154,13 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         if not isinstance(policy, BucketPolicy):
             raise TypeError(f"torchtpu compile: options['bucket_policy'] must be a torchtpu.bucketing.BucketPolicy, "
                             f"not {type(policy).__name__}")
-    comp = functools.partial(compile_graph, policy=policy)
+    # labels now: the backward may be compiled lazily, outside Dynamo's compile context
+    comp = {role: functools.partial(compile_graph, policy=policy, label=graph_label(role))
+            for role in ("forward", "backward", "inference")}
     backend = aot_autograd(
-        fw_compiler=comp,
-        bw_compiler=comp,
-        inference_compiler=comp,
+        fw_compiler=comp["forward"],
+        bw_compiler=comp["backward"],
+        inference_compiler=comp["inference"],
         decompositions=decompositions(),
         # optimizer steps and buffer updates stay inside the graph: one executable computes
         # them and the runtime swaps each input's buffer (donated) instead of copying back op by op
@@ -1130,10 +1191,41 @@ def _skip_runtime_code() -> None:
         trace_rules.add(name)
 
 
+def _capturable_tpu_optimizers() -> None:
+    """Compiled optimizers on tpu keep their step counters on the device, as on cuda/xpu.
+
+    When Dynamo traces ``optimizer.step()`` it sets ``capturable=True`` on param groups whose
+    params are all on cuda/xpu and have no state yet, so ``state["step"]`` is created on the
+    device. tpu params are left out by that check: their counters would stay CPU tensors,
+    which the optimizer graph updates as host outputs, a device-to-host transfer (and a wait
+    for the whole executable) per counter and step. This extends the check to tpu.
+    """
+    try:
+        from torch._dynamo.variables.optimizer import OptimizerVariable
+    except ImportError:  # a torch without Dynamo's optimizer support: nothing to extend
+        return
+    orig = getattr(OptimizerVariable, "_set_capturable", None)
+    if orig is None or getattr(orig, "_torchtpu", False):
+        return
+
+    def _set_capturable(self, tx):
+        opt = self.value
+        for group in opt.param_groups:
+            params = group.get("params", [])
+            if ("capturable" in group and params and all(p.device.type == "tpu" for p in params)
+                    and not any(p in opt.state for p in params)):
+                group["capturable"] = True
+        return orig(self, tx)
+
+    _set_capturable._torchtpu = True
+    OptimizerVariable._set_capturable = _set_capturable
+
+
 def register() -> None:
     from torch._dynamo import list_backends, register_backend
 
     _skip_runtime_code()
+    _capturable_tpu_optimizers()
     if "tpu" not in list_backends(exclude_tags=()):
         register_backend(name="tpu")(tpu_backend)
 

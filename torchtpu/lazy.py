@@ -10,14 +10,23 @@ cached by graph structure, so a steady loop compiles once.
 
 Flush triggers, each calling ``flush(reason)`` from its own place:
 ``host_read`` (ops/core.py: .item(), .cpu(), .tolist(), printing, bool(t)),
-``sync`` (runtime.synchronize), ``mode_switch`` (runtime), ``loop`` and
-``size_cap`` (here, in ``record``), ``materialize`` (a concrete buffer was
+``sync`` (torchtpu.sync, runtime.synchronize), ``mode_switch`` (runtime), ``loop`` and
+``size_cap`` (here, in ``record``), ``backward`` (the end of a backward pass that
+recorded ops: ``_after_backward``), ``materialize`` (a concrete buffer was
 needed by code outside the op path: storage.StorageData.buf), and
 ``collective`` for the distributed backend.
+
+Flushes are asynchronous: ``flush`` dispatches the fused executable and
+returns (JAX dispatch does not wait), so the next step's recording overlaps
+this step's XLA run, as with CUDA kernel launches. At most ``MAX_IN_FLIGHT``
+flushes run ahead of Python; a host read or ``synchronize`` waits. An error
+XLA raises while running a fused graph (at dispatch, or later when its results
+are waited for) names the user lines that recorded the graph's ops.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import random as _random
 import sys
@@ -30,6 +39,7 @@ import jax
 from . import metrics
 
 _lock = threading.RLock()
+_weakref = weakref.ref
 
 
 class LazyBuf:
@@ -70,6 +80,17 @@ _owners: list = []  # weakrefs to StorageData that were handed a LazyBuf
 _graph_cache: dict = {}
 MAX_PENDING = int(os.environ.get("TORCHTPU_MAX_PENDING_OPS", "4096"))
 MIN_LOOP_PERIOD = int(os.environ.get("TORCHTPU_MIN_LOOP_PERIOD", "32"))
+# fused graphs dispatched but not yet waited for: (weakrefs to their results, their nodes). The bound
+# keeps Python from queueing unbounded work (and memory) ahead of XLA; 2 lets step N+1 record while
+# step N runs.
+MAX_IN_FLIGHT = max(1, int(os.environ.get("TORCHTPU_MAX_IN_FLIGHT", "2")))
+_inflight: collections.deque = collections.deque()
+# Flush when a backward pass that recorded ops ends: XLA runs forward+backward while Python
+# records the optimizer. Off by default: on the transformer step it did not lower CPU time and
+# raised the peak slightly (benchmarks/README.md, bench_defer.py); TORCHTPU_FLUSH_AFTER_BACKWARD=1.
+FLUSH_AFTER_BACKWARD = os.environ.get("TORCHTPU_FLUSH_AFTER_BACKWARD", "0") not in ("0", "false", "False", "")
+_bw_task = [-2]  # the graph task whose end already has a flush queued
+_graph_task_id = None  # torch._C._current_graph_task_id, bound on first use (import order)
 
 # repeating-sequence detection over op tokens: prefix hashes mod a Mersenne prime
 _P = (1 << 61) - 1
@@ -125,6 +146,8 @@ def record(fn, inputs, out_numels, name, token, nbufs=0):
     scalars share a cached array, and which ones happen to be equal must not
     change the graph's structure from step to step."""
     site = _user_site()
+    if FLUSH_AFTER_BACKWARD:
+        _note_backward()
     with _lock:
         ins = []
         slots = _ext_slot
@@ -155,6 +178,26 @@ def record(fn, inputs, out_numels, name, token, nbufs=0):
     if reason is not None:
         flush(reason, keep=outs)
     return outs
+
+
+def _note_backward():
+    """Inside a backward pass (the autograd engine's thread), queue one flush for its end."""
+    global _graph_task_id
+    if _graph_task_id is None:
+        import torch
+
+        _graph_task_id = torch._C._current_graph_task_id
+    gt = _graph_task_id()
+    if gt != -1 and gt != _bw_task[0]:
+        import torch
+
+        _bw_task[0] = gt
+        torch.autograd.Variable._execution_engine.queue_callback(_after_backward)
+
+
+def _after_backward():
+    # runs when the graph task ends: gradients are accumulated into .grad by then
+    flush("backward")
 
 
 def _hash(i, j):
@@ -246,7 +289,7 @@ def flush(reason: str, keep=()) -> None:
             from .storage import MEMORY  # (storage imports this module)
 
             MEMORY.note_transient(transient)
-            results = fused(*ext)
+            results = fused(*ext)  # returns once dispatched: XLA runs it while Python goes on
             del ext
         except Exception as e:
             _annotate(e, nodes)
@@ -258,6 +301,56 @@ def flush(reason: str, keep=()) -> None:
             b = sd._buf
             if b.value is not None:
                 sd.buf = b.value
+        _inflight.append(([_weakref(v) for v in results], nodes))
+        while len(_inflight) > MAX_IN_FLIGHT:
+            _wait(_inflight.popleft())
+
+
+def _wait(flight) -> None:
+    """Block until one dispatched fused graph has run; its runtime error, if any, is raised
+    here with the lines that recorded its ops. All outputs of one execution become ready
+    together, so one live (not donated onward) output is enough to wait on."""
+    refs, nodes = flight
+    for r in refs:
+        a = r()
+        if a is not None and not a.is_deleted():
+            try:
+                a.block_until_ready()
+            except Exception as e:
+                _annotate(e, nodes)
+                raise
+            return
+
+
+def wait_all() -> None:
+    """Wait for every dispatched fused graph (``synchronize`` calls this; a host read waits
+    only on its own buffer).
+
+    On an error the remaining flights are dropped: their buffers carry the error too."""
+    with _lock:
+        try:
+            while _inflight:
+                _wait(_inflight.popleft())
+        finally:
+            _inflight.clear()
+
+
+def explain(e: BaseException) -> None:
+    """Add the recording lines to an error a blocking read hit, if a fused graph still in
+    flight is what failed (a read waits on its own buffer, which may be that graph's output)."""
+    with _lock:
+        flights = list(_inflight)
+    for refs, nodes in flights:
+        for r in refs:
+            a = r()
+            if a is None or a.is_deleted():
+                continue
+            try:
+                a.block_until_ready()
+            except Exception:
+                _annotate(e, nodes)
+                return
+            break
 
 
 def _transient_bytes(compiled) -> int:
@@ -315,11 +408,19 @@ def _add_site_note(e, name, site):
 
 
 def _annotate(e, nodes):
-    if not getattr(e, "_torchtpu_site", False) and nodes:
-        sites = ", ".join(
-            f"{n.name} at {n.site[0]}:{n.site[1]}" for n in nodes[-3:] if n.site is not None
-        )
-        e.add_note(f"torchtpu DeferAndFuse: failed while running {len(nodes)} fused ops (last: {sites})")
+    """Note on an error XLA raised while running (not tracing) a fused graph: which op failed
+    inside one executable is not known, so name the user lines that recorded its ops."""
+    if getattr(e, "_torchtpu_site", False) or not nodes:
+        return
+    e._torchtpu_site = True
+    lines: dict = {}
+    for n in nodes:
+        if n.site is not None:
+            lines.setdefault((n.site[0], n.site[1]), []).append(n.name)
+    shown = [f"{f}:{ln} ({', '.join(dict.fromkeys(names))})" for (f, ln), names in list(lines.items())[-8:]]
+    more = f" (last {len(shown)} of {len(lines)} lines)" if len(lines) > len(shown) else ""
+    e.add_note(f"torchtpu DeferAndFuse: failed while running {len(nodes)} fused ops recorded at{more}: "
+               + "; ".join(shown))
 
 
 def clear_cache() -> None:

@@ -84,9 +84,14 @@ def execution_mode(mode: str):
 def synchronize() -> None:
     """Run pending work and wait for every device buffer of live tensors to be computed."""
     lazy.flush("sync")
+    lazy.wait_all()  # the fused graphs in flight (their errors name the recording lines)
     bufs = [d._buf for d in list(storage.LIVE) if not lazy.is_lazy(d._buf)]
     if bufs:
-        jax.block_until_ready(bufs)
+        try:
+            jax.block_until_ready(bufs)
+        except Exception as e:
+            lazy.explain(e)
+            raise
 
 
 def enable_persistent_cache(directory: str) -> None:

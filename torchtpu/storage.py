@@ -108,9 +108,10 @@ class StorageData:
 
     @buf.setter
     def buf(self, b):
+        # inlined lazy.is_lazy / lazy.register_owner: every in-place op's outputs land here
         self._buf = b
-        if _lazy.is_lazy(b):
-            _lazy.register_owner(self)
+        if type(b) is _LAZYBUF:
+            _lazy._owners.append(_weakref(self))
         elif not self.counted:
             self.counted = True
             MEMORY.add(self.nbytes)
@@ -402,7 +403,11 @@ def to_numpy_host(t: torch.Tensor) -> np.ndarray:
 
     if _lazy._pending:
         _lazy.flush("host_read")
-    return np.asarray(jax.device_get(logical_value(t)))
+    try:
+        return np.asarray(jax.device_get(logical_value(t)))
+    except Exception as e:  # a fused graph still in flight failed: name the lines that recorded it
+        _lazy.explain(e)
+        raise
 
 
 def host_to_cpu_tensor(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

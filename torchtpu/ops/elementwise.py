@@ -190,11 +190,22 @@ def _zero(x):
 
 
 # ---------------------------------------------------------------- binary
+_FULL_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
+
+
 def _promote_pair(a, b):
-    """Compute in a common dtype; the registry casts the result to PyTorch's."""
+    """Compute in a common dtype; the registry casts the result to PyTorch's.
+
+    As in PyTorch, a 0-dim float operand (a Python scalar) does not widen a dimensioned
+    float32/float64 tensor: ``x_f32 * 0.9`` computes in float32, not float64 and back
+    (half types keep the wider compute, like PyTorch's float32 opmath)."""
     a = jnp.asarray(a)
     b = jnp.asarray(b)
     if a.dtype != b.dtype:
+        if a.ndim and not b.ndim and a.dtype in _FULL_FLOATS and jnp.issubdtype(b.dtype, jnp.floating):
+            return a, b.astype(a.dtype)
+        if b.ndim and not a.ndim and b.dtype in _FULL_FLOATS and jnp.issubdtype(a.dtype, jnp.floating):
+            return a.astype(b.dtype), b
         dt = jnp.promote_types(a.dtype, b.dtype)
         a, b = a.astype(dt), b.astype(dt)
     return a, b

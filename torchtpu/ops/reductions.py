@@ -306,34 +306,15 @@ def _truthy(x):
     return x if x.dtype == jnp.bool_ else x != 0
 
 
-@lower("all.default")
-def _all(x):
-    return jnp.all(_truthy(x))
+def _lower_bool_reduction(name, jfn):
+    """all / any: the whole tensor, one dim, or a dim list (None = all), as bool."""
+    lower(f"{name}.default")(lambda x: jfn(_truthy(x)))
+    lower(f"{name}.dim")(lambda x, dim, keepdim=False: jfn(_truthy(x), axis=_axes(x, [dim]), keepdims=keepdim))
+    lower(f"{name}.dims")(lambda x, dim=None, keepdim=False: jfn(_truthy(x), axis=_axes(x, dim), keepdims=keepdim))
 
 
-@lower("all.dim")
-def _all_dim(x, dim, keepdim=False):
-    return jnp.all(_truthy(x), axis=_axes(x, [dim]), keepdims=keepdim)
-
-
-@lower("all.dims")
-def _all_dims(x, dim=None, keepdim=False):
-    return jnp.all(_truthy(x), axis=_axes(x, dim), keepdims=keepdim)
-
-
-@lower("any.default")
-def _any(x):
-    return jnp.any(_truthy(x))
-
-
-@lower("any.dim")
-def _any_dim(x, dim, keepdim=False):
-    return jnp.any(_truthy(x), axis=_axes(x, [dim]), keepdims=keepdim)
-
-
-@lower("any.dims")
-def _any_dims(x, dim=None, keepdim=False):
-    return jnp.any(_truthy(x), axis=_axes(x, dim), keepdims=keepdim)
+_lower_bool_reduction("all", jnp.all)
+_lower_bool_reduction("any", jnp.any)
 
 
 @lower("count_nonzero.dim_IntList")

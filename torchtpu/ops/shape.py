@@ -218,3 +218,20 @@ def _as_strided_scatter(x, src, size, stride, storage_offset=None):
     """``x`` (as a fresh contiguous storage) with ``src`` written at the strided window."""
     lay = (tuple(size), tuple(stride), 0 if storage_offset is None else storage_offset)
     return storage.write(x.reshape(-1), lay, src).reshape(x.shape)
+
+
+# ---------------------------------------------------------------- slice / select scatter
+# (functionalization emits these for writes into views: ``x[:, 1:3] = v`` in a compiled graph)
+def _dim_index(ndim, dim, idx):
+    dim = dim + ndim if dim < 0 else dim
+    return (slice(None),) * dim + (idx,)
+
+
+@lower("slice_scatter")
+def _slice_scatter(x, src, dim=0, start=None, end=None, step=1):
+    return x.at[_dim_index(x.ndim, dim, slice(start, end, step))].set(src.astype(x.dtype))
+
+
+@lower("select_scatter")
+def _select_scatter(x, src, dim, index):
+    return x.at[_dim_index(x.ndim, dim, index)].set(src.astype(x.dtype))
