@@ -182,15 +182,13 @@ def record(fn, inputs, out_numels, name, token, nbufs=0):
 
 def _note_backward():
     """Inside a backward pass (the autograd engine's thread), queue one flush for its end."""
+    import torch  # only the optional backward trigger needs torch here
+
     global _graph_task_id
     if _graph_task_id is None:
-        import torch
-
         _graph_task_id = torch._C._current_graph_task_id
     gt = _graph_task_id()
     if gt != -1 and gt != _bw_task[0]:
-        import torch
-
         _bw_task[0] = gt
         torch.autograd.Variable._execution_engine.queue_callback(_after_backward)
 
@@ -311,15 +309,22 @@ def _wait(flight) -> None:
     here with the lines that recorded its ops. All outputs of one execution become ready
     together, so one live (not donated onward) output is enough to wait on."""
     refs, nodes = flight
+    a = _live_output(refs)
+    if a is not None:
+        try:
+            a.block_until_ready()
+        except Exception as e:
+            _annotate(e, nodes)
+            raise
+
+
+def _live_output(refs):
+    """One output of a dispatched graph that is still alive and not donated onward, or None."""
     for r in refs:
         a = r()
         if a is not None and not a.is_deleted():
-            try:
-                a.block_until_ready()
-            except Exception as e:
-                _annotate(e, nodes)
-                raise
-            return
+            return a
+    return None
 
 
 def wait_all() -> None:
@@ -341,16 +346,14 @@ def explain(e: BaseException) -> None:
     with _lock:
         flights = list(_inflight)
     for refs, nodes in flights:
-        for r in refs:
-            a = r()
-            if a is None or a.is_deleted():
-                continue
-            try:
-                a.block_until_ready()
-            except Exception:
-                _annotate(e, nodes)
-                return
-            break
+        a = _live_output(refs)
+        if a is None:
+            continue
+        try:
+            a.block_until_ready()
+        except Exception:
+            _annotate(e, nodes)
+            return
 
 
 def _transient_bytes(compiled) -> int:
