@@ -206,6 +206,20 @@ def test_execution_mode_env_var(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "defer_and_fuse", out.stderr
 
 
+def test_import_freezes_the_import_time_objects_unless_turned_off():
+    import gc
+    import os
+    import subprocess
+    import sys
+
+    if os.environ.get("TORCHTPU_GC_FREEZE", "1") not in ("0", "false", "False", ""):
+        assert gc.get_freeze_count() > 100_000  # torch's and JAX's objects, out of full GC passes
+    code = "import gc, torchtpu; print(gc.get_freeze_count())"
+    env = {"TORCHTPU_GC_FREEZE": "0", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "0", out.stderr
+
+
 def test_persistent_compilation_cache(tmp_path):
     import subprocess
     import sys

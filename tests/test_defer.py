@@ -281,6 +281,32 @@ class _nullcontext:
         return False
 
 
+def test_transformer_step_peaks_lower_than_strict_eager():
+    """The issue's memory claim on a training step: the fused step graph's XLA temporaries (the
+    saved activations, what eager holds too) stay below Strict Eager's peak of live tensors."""
+    from torchtpu.models import TinyTransformer
+
+    def peak_above_step_start(mode):
+        torch.manual_seed(0)
+        model = TinyTransformer(d_model=64, n_layers=2, n_heads=4, max_seq_len=32).to("tpu")
+        ids = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(1)).to("tpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with torchtpu.execution_mode(mode):
+            for _ in range(3):  # the last step is a steady one (optimizer state exists)
+                torch.tpu.synchronize()
+                torch.tpu.reset_peak_memory_stats()
+                base = torch.tpu.memory_allocated()
+                model.loss(ids[:, :-1], ids[:, 1:]).backward()
+                opt.step()
+                opt.zero_grad()
+                torchtpu.sync()
+                torch.tpu.synchronize()
+        return torch.tpu.max_memory_allocated() - base
+
+    strict, defer = peak_above_step_start("strict_eager"), peak_above_step_start("defer_and_fuse")
+    assert defer < 0.95 * strict, (defer, strict)
+
+
 def test_transformer_loop_is_one_fused_graph_per_step_including_backward():
     """Backward runs in the autograd engine's own thread: it must record too (not run strict
     and force a flush of the forward), and the steady loop flushes once per step without compiling."""
@@ -386,6 +412,10 @@ def test_runtime_error_of_a_dispatched_graph_names_the_recording_line(defer):
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert f"{__file__}:{line}" in notes, notes
     assert "host_check" in notes
+    # the failed graph's result is not read as garbage later: using it raises (the clear "never
+    # computed" error if the graph failed at dispatch, the graph's own error if it failed while running)
+    with pytest.raises(Exception, match="never computed|negative input"):
+        (bad + 1).cpu()
     # nothing is left in flight and later work runs
     torch.tpu.synchronize()
     torch.testing.assert_close((x + 1).cpu(), torch.full((3,), 2.0))

@@ -78,3 +78,13 @@ __all__ = [
 from . import distributed as _distributed  # noqa: E402
 
 _distributed.register()  # the "tpu" torch.distributed backend
+
+# The ~400k objects torch and JAX create at import are permanent; every full pass of Python's
+# cyclic collector re-scans them (about 0.6 s here). Each tpu op makes a few tracked objects, and
+# DeferAndFuse keeps them until the flush, so full passes come every ~100 training steps and cost
+# more than the recording itself (benchmarks/README.md). Freezing what exists now takes them out
+# of those passes; nothing is freed or moved. TORCHTPU_GC_FREEZE=0 turns it off.
+if os.environ.get("TORCHTPU_GC_FREEZE", "1") not in ("0", "false", "False", ""):
+    import gc as _gc
+
+    _gc.freeze()

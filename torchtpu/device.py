@@ -74,9 +74,12 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):
         return True
 
 
+_PRIVATEUSE1 = torch._C._autograd.DeviceType.PrivateUse1
+
+
 class _Guard(torch._C._acc.DeviceGuard):
-    def type_(self):
-        return torch._C._autograd.DeviceType.PrivateUse1
+    def type_(self):  # called from C++ several times per op: no lookups
+        return _PRIVATEUSE1
 
 
 # ---------------------------------------------------------------- memory figures

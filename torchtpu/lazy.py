@@ -114,35 +114,50 @@ def register_owner(sd) -> None:
     _owners.append(weakref.ref(sd))
 
 
-_internal_code: dict = {}  # code object -> is it torch's or torchtpu's (decided once per code object)
+_internal_code: dict = {}  # code object -> is it runtime code (decided once per code object)
+_MODEL_CODE = "/torchtpu/models.py"
 
 
-def _user_site():
-    """(file, line, function) of the first frame outside torch/torchtpu.
+def _is_internal(filename: str) -> bool:
+    """Runtime code (torch, jax, torchtpu), as opposed to model and user code. The models
+    torchtpu ships (torchtpu/models.py) are model code: their lines are the ones to name."""
+    return (("/torch/" in filename or "/torchtpu/" in filename or "/jax/" in filename
+             or "/jaxlib/" in filename) and not filename.endswith(_MODEL_CODE))
 
-    Only (file, line, name) is kept, never the frame: a frame would keep its
-    locals (tensors) alive until the flush."""
-    f = sys._getframe(2)
+
+def user_frame(f):
+    """The first frame from ``f`` outward that is not runtime code, or None."""
     internal = _internal_code
     while f is not None:
         c = f.f_code
         inside = internal.get(c)
         if inside is None:
-            fn = c.co_filename
-            inside = "/torch/" in fn or "/torchtpu/" in fn
+            inside = _is_internal(c.co_filename)
             if len(internal) < 65536:
                 internal[c] = inside
         if not inside:
-            return (c.co_filename, f.f_lineno, c.co_name)
+            return f
         f = f.f_back
     return None
 
 
-def record(fn, inputs, out_numels, name, token, nbufs=0):
+def _user_site():
+    """(file, line, function) of the line that made the op being recorded.
+
+    Only (file, line, name) is kept, never the frame: a frame would keep its
+    locals (tensors) alive until the flush."""
+    f = user_frame(sys._getframe(2))
+    if f is None:
+        return None
+    c = f.f_code
+    return (c.co_filename, f.f_lineno, c.co_name)
+
+
+def record(fn, bufs, dyn, out_numels, name, token):
     """Append a node; returns its pending output buffers.
 
-    The first ``nbufs`` inputs are tensor buffers (shared when the same array is
-    read twice); the rest are scalars, always their own slot: equal python
+    ``bufs`` are tensor buffers (one input slot per distinct array, so an array read
+    twice is one argument); ``dyn`` are scalars, always their own slot: equal python
     scalars share a cached array, and which ones happen to be equal must not
     change the graph's structure from step to step."""
     site = _user_site()
@@ -150,30 +165,34 @@ def record(fn, inputs, out_numels, name, token, nbufs=0):
         _note_backward()
     with _lock:
         ins = []
+        add = ins.append
+        ext = _ext
         slots = _ext_slot
-        for i, x in enumerate(inputs):
+        for x in bufs:
             if type(x) is LazyBuf:
                 if x.value is None:
-                    ins.append((x.node.pos, x.index))
+                    pos = x.node.pos
+                    if pos < 0:
+                        raise RuntimeError(_LOST)
+                    add((pos, x.index))
                     continue
                 x = x.value
-            if i < nbufs:
-                slot = slots.get(id(x))
-                if slot is None:
-                    slot = slots[id(x)] = len(_ext)  # _ext keeps x alive, so its id stays its own
-                    _ext.append(x)
-                ins.append(slot)
-            else:
-                ins.append(len(_ext))
-                _ext.append(x)
-        node = Node((fn, tuple(ins)), len(_pending), name, site)
-        _pending.append(node)
+            slot = slots.get(id(x))
+            if slot is None:
+                slot = slots[id(x)] = len(ext)  # _ext keeps x alive, so its id stays its own
+                ext.append(x)
+            add(slot)
+        for x in dyn:
+            add(len(ext))
+            ext.append(x)
         n = len(_pending)
-        h = (_prefix[-1] * _B + token) % _P
-        _prefix.append(h)
+        node = Node((fn, tuple(ins)), n, name, site)
+        _pending.append(node)
+        n += 1
+        _prefix.append((_prefix[-1] * _B + token) % _P)
         if len(_pow) <= n:
             _pow.append(_pow[-1] * _B % _P)
-        outs = [LazyBuf(node, i, n) for i, n in enumerate(out_numels)]
+        outs = [LazyBuf(node, i, m) for i, m in enumerate(out_numels)]
         reason = _flush_reason(n, token)
     if reason is not None:
         flush(reason, keep=outs)
@@ -228,8 +247,14 @@ def pending_count() -> int:
 
 
 # ---------------------------------------------------------------- flushing
+_LOST = ("torchtpu DeferAndFuse: this tensor's value was never computed: the fused graph that was to "
+         "compute it failed (that error named the lines that recorded it). Compute it again from its inputs.")
+
+
 def materialize(buf: LazyBuf, reason: str):
     if buf.value is None:
+        if buf.node.pos < 0:
+            raise RuntimeError(_LOST)
         flush(reason, keep=[buf])
     return buf.value
 
@@ -259,15 +284,18 @@ def flush(reason: str, keep=()) -> None:
         live = []
         seen = set()
         for b in [sd._buf for sd in live_sds] + list(keep):
-            if b.value is None and id(b) not in seen:
+            # (a buffer of a failed earlier graph, pos -1, is not this graph's: it raises on use)
+            if b.value is None and id(b) not in seen and b.node.pos >= 0:
                 seen.add(id(b))
                 live.append(b)
         spec = tuple(n.spec for n in nodes)
         outs = tuple((b.node.pos, b.index) for b in live)
         donate = _donatable(ext)
-        # the buffers' own shapes and types too: an executable takes exactly the avals it was built for
+        # the buffers' own shapes and types too: an executable takes exactly the avals it was built
+        # for (a python number and the cached device scalar of one are the same abstract value)
         avals = tuple([(a.shape, a.dtype, a.weak_type) if type(a) is _ARRAY
-                       else (type(a), getattr(a, "shape", None), getattr(a, "dtype", None)) for a in ext])
+                       else _PY_AVALS.get(type(a)) or (type(a), getattr(a, "shape", None), getattr(a, "dtype", None))
+                       for a in ext])
         key = (spec, outs, donate, avals)
         try:
             hit = _graph_cache.get(key)
@@ -291,6 +319,8 @@ def flush(reason: str, keep=()) -> None:
             del ext
         except Exception as e:
             _annotate(e, nodes)
+            for n in nodes:  # their outputs will never exist: a later use raises instead of reading garbage
+                n.pos = -1
             raise
         for b, v in zip(live, results):
             b.value = v
@@ -383,6 +413,10 @@ def _donatable(ext):
 
 
 _ARRAY = type(jax.numpy.zeros(()))
+# the abstract value jit gives a python number of each type (registry._scalar_array passes numbers
+# met once as themselves)
+_PY_AVALS = {t: (z.shape, z.dtype, z.weak_type) for t, z in
+             ((t, jax.numpy.asarray(t(0))) for t in (bool, int, float, complex))}
 
 
 def _make_graph_fn(spec, outs, nodes):

@@ -204,16 +204,6 @@ def _suggestion(log):
     )
 
 
-def _user_frame():
-    f = sys._getframe(1)
-    while f is not None:
-        fn = f.f_code.co_filename
-        if "/torch/" not in fn and "/torchtpu/" not in fn and "/jax/" not in fn and "/jaxlib/" not in fn:
-            return f
-        f = f.f_back
-    return None
-
-
 def _warn_recompiles(op, n, threshold, log):
     msg = (
         f"torchtpu: {op} has compiled {n} executables (more than the recompile warning threshold "
@@ -221,7 +211,9 @@ def _warn_recompiles(op, n, threshold, log):
         "torchtpu.bucketing.set_recompile_warning_threshold(n) or "
         "TORCHTPU_RECOMPILE_WARNING_THRESHOLD changes the threshold."
     )
-    frame = _user_frame()
+    from .lazy import user_frame  # (lazy imports this module)
+
+    frame = user_frame(sys._getframe(1))
     if frame is None:
         warnings.warn(msg, RecompileWarning, stacklevel=2)
     else:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import threading
 
 import jax
@@ -127,12 +126,15 @@ def _is_meta_leaf(x):
 class _Entry:
     """One compiled form of a kernel: the jitted function and how to wrap its outputs."""
 
-    __slots__ = ("fn", "out_meta", "single", "treedef", "out_numels", "token")
+    __slots__ = ("fn", "out_meta", "single", "flat", "treedef", "out_numels", "token")
 
     def __init__(self, fn, out_meta, out_numels):
         self.fn = fn
         self.out_meta = out_meta
         self.single = _is_meta_leaf(out_meta)
+        # a plain tuple or list of tensors (a foreach op's results): built directly, no pytree
+        self.flat = (type(out_meta) if type(out_meta) in (tuple, list) and all(map(_is_meta_leaf, out_meta))
+                     else None)
         self.treedef = None if out_meta is None or self.single else pytree.tree_flatten(out_meta, is_leaf=_is_meta_leaf)
         self.out_numels = out_numels  # flat length of each output buffer (for pending buffers)
         self.token = lazy.token_of(self)
@@ -166,6 +168,13 @@ class Kernel:
         # arguments written by this op (in-place self, or Tensor(a!)[] lists)
         self.mutated = [i for i, a in enumerate(self.args) if a.alias_info is not None and a.alias_info.is_write]
         self.n_returns = len(schema.returns)
+        # defaults of the trailing arguments a positional call may leave out: _tails[k] completes a
+        # call with k arguments (None where one of them has no default)
+        self._tails = [None] * (self.nargs + 1)
+        for k in range(self.nargs + 1):
+            rest = self.defaults[k:]
+            if all(d is not _NoDefault for d in rest):
+                self._tails[k] = tuple(rest)
         self.cache: dict = {}
         self.lock = threading.RLock()
 
@@ -185,8 +194,12 @@ class Kernel:
 
     # ---------------------------------------------------------------- call
     def __call__(self, *args, **kwargs):
-        vals = args if (len(args) == self.nargs and not kwargs) else self.bind(args, kwargs)
-        key = [self.functional]
+        if kwargs:
+            vals = self.bind(args, kwargs)
+        else:
+            tail = self._tails[len(args)] if len(args) <= self.nargs else None
+            vals = args + tail if tail is not None else self.bind(args, kwargs)
+        key = [self.name]  # the cache is this kernel's own: the name only labels the key (cheap to hash)
         bufs = []
         dyn = []
         append_key = key.append
@@ -218,9 +231,9 @@ class Kernel:
             entry = self._build(key, vals, len(bufs))
             metrics.record_miss(self.name, key)
         else:
-            metrics.record_hit()
+            _METRICS_STATE["cache_hits"] += 1  # metrics.record_hit, inlined: every op passes here
         if runtime.deferring():
-            outs = lazy.record(entry.fn, (*bufs, *dyn), entry.out_numels, self.name, entry.token, len(bufs))
+            outs = lazy.record(entry.fn, bufs, dyn, entry.out_numels, self.name, entry.token)
         else:
             if lazy._pending:  # pending work recorded in another context
                 bufs = [lazy.materialize(b, "materialize") if type(b) is lazy.LazyBuf else b for b in bufs]
@@ -402,14 +415,15 @@ class Kernel:
     # ---------------------------------------------------------------- results
     def _wrap(self, vals, outs, entry):
         if self.inplace:
+            # the mutated tensors' storages were looked up (and their dtypes checked) for the key
             it = iter(outs)
             for i in self.mutated:
                 v = vals[i]
                 if self.kinds[i] in (_TL, _OTL):
                     for t in v:
-                        storage_data(t).buf = next(it)
+                        t.untyped_storage()._tpu.buf = next(it)
                 else:
-                    storage_data(v).buf = next(it)
+                    v.untyped_storage()._tpu.buf = next(it)
             if self.n_returns == 0:
                 return None
             rets = [vals[i] for i in self.mutated]
@@ -417,25 +431,38 @@ class Kernel:
         if entry.single:
             shape, dt = entry.out_meta
             return new_tensor(shape, dt, outs[0])
+        if entry.flat is not None:
+            tensors = [new_tensor(shape, dt, o) for (shape, dt), o in zip(entry.out_meta, outs)]
+            return tensors if entry.flat is list else tuple(tensors)
         leaves, treedef = entry.treedef
         tensors = [new_tensor(shape, dt, o) for (shape, dt), o in zip(leaves, outs)]
         return pytree.tree_unflatten(tensors, treedef)
 
 
 _scalar_cache: dict = {}
+_scalar_seen: dict = {}  # keys of values met once and not (yet) converted
 
 
 def _scalar_array(v):
-    """A weakly typed device scalar for python number ``v``, cached: handing jit a
-    python scalar costs a host conversion on every call."""
+    """Python number ``v`` as a jit argument: a cached weakly typed device scalar once the value
+    has been met before, else ``v`` itself. jit takes a python number as the same abstract value
+    (one executable for both), converting it in C++ for a few microseconds, where ``jnp.asarray``
+    costs ~50 us; values that change every step (an optimizer's bias corrections) are never
+    worth converting, while repeated ones (alpha=1, a learning rate) are, once."""
     tv = type(v)
     # floats by bit pattern: -0.0 == 0.0 and nan != nan must not share or miss entries
     key = (tv, v.hex() if tv is float else (repr(v) if tv is complex else v))
     a = _scalar_cache.get(key)
     if a is None:
+        if key not in _scalar_seen:
+            if len(_scalar_seen) >= 8192:  # bounded: most are one-off values
+                _scalar_seen.clear()
+            _scalar_seen[key] = None
+            return v
         a = jnp.asarray(v)
-        if len(_scalar_cache) < 8192:
-            _scalar_cache[key] = a
+        if len(_scalar_cache) >= 8192:
+            _scalar_cache.clear()
+        _scalar_cache[key] = a
     return a
 
 
@@ -527,6 +554,7 @@ def _buffer_index(key, kinds, arg_i, list_pos):
 
 _NOBUF = ("cpu0", "num")
 _LAZYBUF = lazy.LazyBuf
+_METRICS_STATE = metrics._state
 _META_DEVICE = torch.device("meta")
 
 
@@ -707,13 +735,3 @@ def from_jax_array(arr, dtype=None) -> torch.Tensor:
     dt = dtypes.to_torch(arr.dtype) if dtype is None else dtype
     return new_tensor(arr.shape, dt, arr)
 
-
-def user_frame():
-    """The first stack frame outside torch and torchtpu (for error messages)."""
-    f = sys._getframe(1)
-    while f is not None:
-        fn = f.f_code.co_filename
-        if "/torch/" not in fn and "/torchtpu/" not in fn and "/jax/" not in fn:
-            return f
-        f = f.f_back
-    return None

@@ -91,12 +91,14 @@ class StorageData:
         self.dtype = dtype
         self._buf = buf
         if type(buf) is _LAZYBUF:
+            # counted, and known to synchronize(), once a concrete buffer arrives (most
+            # pending outputs are intermediates that never get one)
             self.counted = False
             _lazy._owners.append(_weakref(self))
         else:
             self.counted = True
             MEMORY.add(nbytes)
-        LIVE.add(self)
+            LIVE.add(self)
 
     @property
     def buf(self):
@@ -115,6 +117,7 @@ class StorageData:
         elif not self.counted:
             self.counted = True
             MEMORY.add(self.nbytes)
+            LIVE.add(self)
 
     def retype(self, dtype: torch.dtype) -> None:
         """Hold the buffer as ``dtype`` elements: the same bytes, reinterpreted."""
