@@ -80,3 +80,19 @@ def expect_owner_index_error(run, rank: int, owner: int, feature: str) -> None:
         raise
     if rank == owner:
         raise AssertionError(f"an out-of-range id of {feature} did not raise on rank {owner}, which owns its table")
+
+
+def tpu_dmp(module, per_param, sharder, world: int):
+    """``module`` (built on the meta device) sharded on tpu by DMP with the per-parameter plan
+    ``per_param`` (``construct_module_sharding_plan``'s form) over ``world`` ranks of one host."""
+    import torch
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingPlan
+
+    from torchtpu_rec.sharding import tpu_data_parallel_wrapper
+
+    plan = construct_module_sharding_plan(module, per_param, local_size=world, world_size=world,
+                                          device_type="tpu", sharder=sharder)
+    return DistributedModelParallel(module, device=torch.device("tpu"), sharders=[sharder],
+                                    plan=ShardingPlan({"": plan}), data_parallel_wrapper=tpu_data_parallel_wrapper())

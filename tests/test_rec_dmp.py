@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from helpers import expect_owner_index_error, named_checks, run_spawned
+from helpers import expect_owner_index_error, named_checks, run_spawned, tpu_dmp
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -66,20 +66,17 @@ def _worker(rank, port, tmpdir, failures):
 
     dist.init_process_group("tpu", rank=rank, world_size=WORLD)
     from torchrec import EmbeddingBagCollection
-    from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.distributed.sharding_plan import (
         column_wise,
-        construct_module_sharding_plan,
         data_parallel,
         row_wise,
         table_row_wise,
         table_wise,
     )
-    from torchrec.distributed.types import ShardingPlan
 
     from torchtpu_rec.checkpoint import load_unsharded_state_dict, unsharded_state_dict
-    from torchtpu_rec.sharding import TPUEmbeddingBagCollectionSharder, tpu_data_parallel_wrapper
+    from torchtpu_rec.sharding import TPUEmbeddingBagCollectionSharder
     from torchtpu_rec.sharding.planner import plan_for_tpu
 
     sharder = TPUEmbeddingBagCollectionSharder(fused_params={"optimizer": "sgd", "learning_rate": LR})
@@ -91,12 +88,7 @@ def _worker(rank, port, tmpdir, failures):
     check, results = named_checks(rank, failures)
 
     def dmp_for(per_param):
-        ebc = EmbeddingBagCollection(tables=_tables(), device=torch.device("meta"))
-        mp_ = construct_module_sharding_plan(ebc, per_param, local_size=WORLD, world_size=WORLD,
-                                             device_type="tpu", sharder=sharder)
-        return DistributedModelParallel(ebc, device=torch.device("tpu"), sharders=[sharder],
-                                        plan=ShardingPlan({"": mp_}),
-                                        data_parallel_wrapper=tpu_data_parallel_wrapper())
+        return tpu_dmp(EmbeddingBagCollection(tables=_tables(), device=torch.device("meta")), per_param, sharder, WORLD)
 
     mixed = {
         "t_tw": table_wise(rank=1),

@@ -20,7 +20,7 @@ import os
 
 import pytest
 import torch
-from helpers import expect_owner_index_error, named_checks, run_spawned
+from helpers import expect_owner_index_error, named_checks, run_spawned, tpu_dmp
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,11 +84,10 @@ def _worker(rank, port, tmpdir, failures):
     from torchrec import EmbeddingBagCollection, EmbeddingCollection
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import column_wise as _cw
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel
+    from torchrec.distributed.sharding_plan import data_parallel
     from torchrec.distributed.sharding_plan import row_wise as _rw
     from torchrec.distributed.sharding_plan import table_row_wise as _twrw
     from torchrec.distributed.sharding_plan import table_wise as _tw
-    from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     # sharded tables take the FUSED kernel (optimizer in the backward; TorchRec's helpers default to DENSE)
@@ -125,11 +124,7 @@ def _worker(rank, port, tmpdir, failures):
     def ec_dmp(per_table, fused_params, tables=None):
         sharder = TPUEmbeddingCollectionSharder(fused_params=fused_params)
         ec = EmbeddingCollection(tables=tables or _ec_tables(), device=torch.device("meta"))
-        mp_ = construct_module_sharding_plan(ec, per_table, local_size=WORLD, world_size=WORLD,
-                                             device_type="tpu", sharder=sharder)
-        return DistributedModelParallel(ec, device=torch.device("tpu"), sharders=[sharder],
-                                        plan=ShardingPlan({"": mp_}),
-                                        data_parallel_wrapper=tpu_data_parallel_wrapper())
+        return tpu_dmp(ec, per_table, sharder, WORLD)
 
     torch.manual_seed(0)
     ref0 = EmbeddingCollection(tables=_ec_tables(), device=torch.device("cpu"))
@@ -279,12 +274,8 @@ def _worker(rank, port, tmpdir, failures):
         sharder = TPUEmbeddingBagCollectionSharder(fused_params={"optimizer": "adagrad", "learning_rate": 0.1})
 
         def ebc_dmp(per_table):
-            m = EmbeddingBagCollection(tables=_ebc_tables(), device=torch.device("meta"))
-            mp_ = construct_module_sharding_plan(m, per_table, local_size=WORLD, world_size=WORLD,
-                                                 device_type="tpu", sharder=sharder)
-            return DistributedModelParallel(m, device=torch.device("tpu"), sharders=[sharder],
-                                            plan=ShardingPlan({"": mp_}),
-                                            data_parallel_wrapper=tpu_data_parallel_wrapper())
+            return tpu_dmp(EmbeddingBagCollection(tables=_ebc_tables(), device=torch.device("meta")),
+                           per_table, sharder, WORLD)
 
         torch.manual_seed(2)
         ebc_sd = EmbeddingBagCollection(tables=_ebc_tables(), device=torch.device("cpu")).state_dict()

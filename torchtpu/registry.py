@@ -135,7 +135,8 @@ class _Entry:
         # a plain tuple or list of tensors (a foreach op's results): built directly, no pytree
         self.flat = (type(out_meta) if type(out_meta) in (tuple, list) and all(map(_is_meta_leaf, out_meta))
                      else None)
-        self.treedef = None if out_meta is None or self.single else pytree.tree_flatten(out_meta, is_leaf=_is_meta_leaf)
+        self.treedef = (None if out_meta is None or self.single or self.flat
+                        else pytree.tree_flatten(out_meta, is_leaf=_is_meta_leaf))
         self.out_numels = out_numels  # flat length of each output buffer (for pending buffers)
         self.token = lazy.token_of(self)
 
