@@ -57,7 +57,7 @@ def child(args):
     import torchtpu
     from torchtpu import metrics
     from torchtpu.bucketing import bucket_scope, pad_to_bucket
-    from torchtpu.models import TinyTransformer
+    from torchtpu_models import TinyTransformer
 
     policy = policies(args)[args.child]
     lengths = lengths_stream(args.batches, args, seed=args.seed)

@@ -10,7 +10,7 @@ batch 8; ``large``: d_model 256, 4 layers, 8 heads, seq 128, batch 16), AdamW
 - ``compiled_traced_bwd``: the same with ``torch._dynamo.config.trace_autograd_ops=True``:
   the backward traced into the forward's graph (two graphs; ``zero_grad`` outside the
   compiled function, the loss detached before ``optimizer.step()``; see
-  ``torchtpu.models.training_step``);
+  ``torchtpu_models.training_step``);
 - ``compiled_fwd_bwd``: forward+backward compiled, ``optimizer.step()`` eager (strict);
 - ``defer``: the whole step eager under DeferAndFuse (closed by ``torchtpu.sync()``);
 - ``cpu``: torch CPU eager.
@@ -43,7 +43,7 @@ from tqdm import tqdm  # noqa: E402
 import torchtpu  # noqa: E402
 import torchtpu.compile  # noqa: E402,F401
 from jax_transformer import JaxTrainer  # noqa: E402
-from torchtpu.models import TinyTransformer, TransformerConfig, training_step  # noqa: E402
+from torchtpu_models import TinyTransformer, TransformerConfig, training_step  # noqa: E402
 
 
 CONFIGS = {
@@ -54,7 +54,7 @@ CONFIGS = {
 
 
 def make_torch(device, cfg, batch, mode="whole"):
-    """A zero-argument training step on a fixed batch (torchtpu.models.training_step modes)."""
+    """A zero-argument training step on a fixed batch (torchtpu_models.training_step modes)."""
     torch.manual_seed(0)
     model = TinyTransformer(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import tqdm  # noqa: E402
 
 import torchtpu  # noqa: E402
-from torchtpu.models import DLRMStyleMLP, TinyTransformer  # noqa: E402
+from torchtpu_models import DLRMStyleMLP, TinyTransformer  # noqa: E402
 
 
 def transformer_case(batch, seq):

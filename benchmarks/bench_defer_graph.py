@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import torchtpu  # noqa: E402
 from torchtpu import lazy  # noqa: E402
-from torchtpu.models import TinyTransformer  # noqa: E402
+from torchtpu_models import TinyTransformer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jax_transformer import JaxTrainer  # noqa: E402

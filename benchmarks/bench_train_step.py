@@ -32,7 +32,7 @@ common.pin_threads(THREADS)
 import torch  # noqa: E402
 
 import torchtpu  # noqa: E402
-from torchtpu.models import TinyTransformer, TransformerConfig  # noqa: E402
+from torchtpu_models import TinyTransformer, TransformerConfig  # noqa: E402
 
 torch.set_num_threads(THREADS)
 

@@ -1,7 +1,7 @@
 """TinyTransformer and an AdamW step written directly in JAX: the executor's limit.
 
 The benchmarks compare torchtpu's compiled training step with this one: the same
-model (``torchtpu.models.TinyTransformer`` semantics: pre-norm blocks, fused qkv,
+model (``torchtpu_models.TinyTransformer`` semantics: pre-norm blocks, fused qkv,
 rotary or learned positions, causal attention, GELU/SiLU MLP, tied embeddings), the
 same loss (mean next-token cross entropy) and PyTorch's AdamW update, as ONE
 ``jax.jit`` whose parameters and optimizer state are donated, so XLA updates them

@@ -25,7 +25,7 @@ import time
 import torch
 
 import torchtpu
-from torchtpu.models import TinyTransformer, TransformerConfig
+from torchtpu_models import TinyTransformer, TransformerConfig
 
 
 def make_batch(batch, seq_len, period, vocab, generator):

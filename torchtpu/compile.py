@@ -29,7 +29,7 @@ backward graph (run by the autograd engine) and an optimizer graph. With
 forward's graph instead (two executables, no autograd engine at run time), provided
 ``zero_grad`` is called outside the compiled function and no tensor with a ``grad_fn``
 outlives ``backward()`` (``loss = loss.detach()`` before ``opt.step()``);
-``torchtpu.models.training_step(..., mode="traced_backward")`` is that pattern. As for
+``torchtpu_models.training_step(..., mode="traced_backward")`` is that pattern. As for
 cuda/xpu, a compiled optimizer on tpu params is made ``capturable`` (step counters on the
 device). ``AdamW(fused=True)``: Dynamo graph-breaks on the fused path for every backend, so
 its step runs eagerly as one ``_fused_adamw_`` executable.
@@ -1174,20 +1174,12 @@ def _skip_runtime_code() -> None:
 
     Eager pieces run between graphs (graph breaks, ``loss.backward()``) call
     torchtpu's Python kernels from C++ while Dynamo's frame hook is set; without
-    this Dynamo would try to trace jax.numpy inside them. ``torchtpu.models`` stays
-    traceable: it is user-level model code.
+    this Dynamo would try to trace jax.numpy inside them. Model code (including
+    ``torchtpu_models``) lives outside the package and stays traceable.
     """
-    import pkgutil
-
     from torch._dynamo import trace_rules
 
-    import torchtpu
-
-    names = ["jax", "jaxlib"]
-    for m in pkgutil.iter_modules(torchtpu.__path__):
-        if m.name != "models":
-            names.append(f"torchtpu.{m.name}")
-    for name in names:
+    for name in ("jax", "jaxlib", "torchtpu"):
         trace_rules.add(name)
 
 

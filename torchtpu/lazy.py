@@ -115,14 +115,11 @@ def register_owner(sd) -> None:
 
 
 _internal_code: dict = {}  # code object -> is it runtime code (decided once per code object)
-_MODEL_CODE = "/torchtpu/models.py"
 
 
 def _is_internal(filename: str) -> bool:
-    """Runtime code (torch, jax, torchtpu), as opposed to model and user code. The models
-    torchtpu ships (torchtpu/models.py) are model code: their lines are the ones to name."""
-    return (("/torch/" in filename or "/torchtpu/" in filename or "/jax/" in filename
-             or "/jaxlib/" in filename) and not filename.endswith(_MODEL_CODE))
+    """Runtime code (torch, jax, torchtpu), as opposed to model and user code."""
+    return "/torch/" in filename or "/torchtpu/" in filename or "/jax/" in filename or "/jaxlib/" in filename
 
 
 def user_frame(f):

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torchtpu.models import TinyTransformer, TransformerConfig
+from torchtpu_models import TinyTransformer, TransformerConfig
 
 __all__ = [
     "ValueModel",

@@ -17,7 +17,7 @@ import torch._dynamo
 
 import torchtpu
 import torchtpu.compile  # noqa: F401  (registers the "tpu" backend until __init__ imports it)
-from torchtpu.models import TinyTransformer, TransformerConfig, training_step
+from torchtpu_models import TinyTransformer, TransformerConfig, training_step
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +80,7 @@ def _batch():
 
 
 def _train(device, mode, make_opt):
-    """mode: one of torchtpu.models.TRAINING_STEP_MODES (the benchmark builds its steps the same way)."""
+    """mode: one of torchtpu_models.TRAINING_STEP_MODES (the benchmark builds its steps the same way)."""
     torch.manual_seed(0)
     model = TinyTransformer(CFG).to(device)
     opt = make_opt(model.parameters())
@@ -282,7 +282,7 @@ def test_compiled_module_state_dict_round_trips():
 
 def test_dlrm_whole_step_compiled_matches_cpu():
     """Embedding bags, advanced indexing (index / index_put in the backward) and SGD, all in graphs."""
-    from torchtpu.models import DLRMConfig, DLRMStyleMLP
+    from torchtpu_models import DLRMConfig, DLRMStyleMLP
 
     torch.manual_seed(0)
     base = DLRMStyleMLP(DLRMConfig())

@@ -19,7 +19,7 @@ pytest.importorskip("torchrec")
 
 pytestmark = pytest.mark.timeout(600)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_dlrm_example_via_ray_job_submit(ray_head, tmp_path):

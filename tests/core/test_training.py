@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import torchtpu
-from torchtpu.models import DLRMConfig, DLRMStyleMLP, TinyTransformer, TransformerConfig
+from torchtpu_models import DLRMConfig, DLRMStyleMLP, TinyTransformer, TransformerConfig
 
 # See the module docstring for how these were chosen.
 DRIFT_FACTOR = 20.0

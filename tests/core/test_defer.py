@@ -240,7 +240,7 @@ def test_random_programs_give_identical_results_in_both_modes(program):
 def test_training_matches_cpu_under_defer_and_fuse(model_name):
     import copy
 
-    from torchtpu.models import DLRMStyleMLP, TinyTransformer
+    from torchtpu_models import DLRMStyleMLP, TinyTransformer
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
@@ -284,7 +284,7 @@ class _nullcontext:
 def test_transformer_step_peaks_lower_than_strict_eager():
     """The issue's memory claim on a training step: the fused step graph's XLA temporaries (the
     saved activations, what eager holds too) stay below Strict Eager's peak of live tensors."""
-    from torchtpu.models import TinyTransformer
+    from torchtpu_models import TinyTransformer
 
     def peak_above_step_start(mode):
         torch.manual_seed(0)
@@ -310,7 +310,7 @@ def test_transformer_step_peaks_lower_than_strict_eager():
 def test_transformer_loop_is_one_fused_graph_per_step_including_backward():
     """Backward runs in the autograd engine's own thread: it must record too (not run strict
     and force a flush of the forward), and the steady loop flushes once per step without compiling."""
-    from torchtpu.models import TinyTransformer
+    from torchtpu_models import TinyTransformer
 
     torch.manual_seed(0)
     model = TinyTransformer(d_model=32, n_layers=1, n_heads=2, max_seq_len=16).to("tpu")

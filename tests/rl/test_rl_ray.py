@@ -20,7 +20,7 @@ import torch
 import torchtpu
 from torchtpu_rl import weight_sync as ws
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import rl_common  # noqa: E402
 
