@@ -96,3 +96,27 @@ def tpu_dmp(module, per_param, sharder, world: int):
                                           device_type="tpu", sharder=sharder)
     return DistributedModelParallel(module, device=torch.device("tpu"), sharders=[sharder],
                                     plan=ShardingPlan({"": plan}), data_parallel_wrapper=tpu_data_parallel_wrapper())
+
+
+HF_CAUSAL_LM_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3")
+
+
+def tiny_hf_causal_lm(family: str = "qwen2", vocab_size: int = 64, hidden_size: int = 32, num_layers: int = 2,
+                      seed: int = 0, **config):
+    """A small randomly initialized Hugging Face causal LM of ``family`` (on CPU, float32), built from its
+    config class, as a checkpoint directory of that architecture would load. ``config`` overrides fields."""
+    import torch
+    import transformers
+
+    classes = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
+               "gemma2": "Gemma2Config", "phi3": "Phi3Config"}
+    fields = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=hidden_size // 4, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0)
+    fields.update(config)
+    cfg = getattr(transformers, classes[family])(**fields)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return model.eval()
