@@ -30,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
 import torchtpu  # noqa: E402
-from torchtpu import lazy  # noqa: E402
+from torchtpu.runtime.recorder import RECORDER  # noqa: E402
 from torchtpu_models import TinyTransformer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -70,14 +70,14 @@ def main():
             opt.zero_grad()
             torchtpu.sync()
 
-    lazy.clear_cache()
+    RECORDER.clear_cache()
     for _ in range(4):
         defer_step()
         jt.step()
     torch.tpu.synchronize()
     jt.sync()
     # the step graph: the cached fused graph with the most nodes
-    key, (compiled, _) = max(lazy._graph_cache.items(), key=lambda kv: len(kv[0][0]))
+    key, compiled = max(RECORDER.graph_cache_entries(), key=lambda kv: len(kv[0][0]))
     avals = key[3]
     if not all(isinstance(a[0], tuple) for a in avals):
         raise SystemExit("bench_defer_graph: the step graph takes non-array inputs; cannot replay it")

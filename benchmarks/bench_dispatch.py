@@ -4,7 +4,7 @@ vs a direct jitted JAX call, measured side by side in one run.
 On 8x8 float32 tensors the kernels themselves take well under a microsecond,
 so the time per call is the cost of getting to them: torch's dispatcher and
 kernel for CPU; jax's C++ jit dispatch for the direct call; for tpu, torch's
-dispatcher, torchtpu's registry kernel (key building, executable cache), the
+dispatcher, torchtpu's kernel executor (key building, executable cache), the
 same jax dispatch, and making the result tensor.
 
 Every repeat times ``--iters`` calls and ends with a sync (included), so
@@ -16,7 +16,7 @@ and each ratio is the median of the per-repeat ratios.
     python benchmarks/bench_dispatch.py --breakdown     # where the tpu microseconds go
 
 ``--breakdown`` adds a split of one tpu ``add`` into its parts (torch
-dispatcher, registry kernel, jitted call, result tensor) and a cProfile of a
+dispatcher, kernel executor, jitted call, result tensor) and a cProfile of a
 loop of adds.
 """
 
@@ -83,7 +83,7 @@ def bench_op(name, size, args, mode):
 def breakdown(args):
     """Where the time of one tpu ``add`` (8x8 float32) goes.
 
-    1. The full call and the registry kernel called directly (no torch
+    1. The full call and the Kernel called directly (no torch
        dispatcher), taking turns: their difference is torch's dispatcher and
        the boxing into the python kernel.
     2. The same loop with the kernel's phases timed in place (the jitted call,
@@ -91,24 +91,24 @@ def breakdown(args):
        parts timed alone in a tight loop run on hot caches and come out 2-3x
        cheaper than inside the op, so only in-place timings add up.
 
-    Uses registry internals (they are the thing being measured); if they moved,
-    the part is reported as unavailable rather than guessed."""
-    from torchtpu import registry
+    Uses the kernel executor's internals (they are the thing being measured); if they
+    moved, the part is reported as unavailable rather than guessed."""
+    from torchtpu.dispatch.install import KERNELS
 
     a = torch.randn(8, 8).to("tpu")
     b = torch.randn(8, 8).to("tpu")
     torch.add(a, b)
     out = {}
-    kernel = registry._KERNELS.get("aten::add.Tensor")
+    kernel = KERNELS.get("aten::add.Tensor")
     if kernel is None:
-        return {"unavailable": "no kernel aten::add.Tensor in registry._KERNELS"}, [], ""
+        return {"unavailable": "no kernel aten::add.Tensor in torchtpu.dispatch.install.KERNELS"}, [], ""
     timed = common.time_interleaved(
         {"full": lambda: torch.add(a, b), "kernel": lambda: kernel(a, b)},
         syncs={"full": torchtpu.synchronize, "kernel": torchtpu.synchronize},
         iters=args.iters, repeats=args.repeats, warmup=args.warmup,
     )
     out["torch.add, full path"] = timed["full"]["median_us"]
-    out["registry Kernel.__call__ called directly"] = timed["kernel"]["median_us"]
+    out["Kernel.__call__ called directly"] = timed["kernel"]["median_us"]
     out["  = torch dispatcher + boxing into the python kernel"] = timed["full"]["median_us"] - timed["kernel"]["median_us"]
 
     # in-place phase timings: wrap the kernel's phases on this instance, then restore

@@ -2,8 +2,8 @@
 
 from . import jobs
 from .cluster import (DEFAULT_OBJECT_STORE_MEMORY, DEFAULT_RUN_DIR, LocalHead, NodeProcess, SimulatedSlice,
-                      alive_nodes, local_head, start_simulated_slice, stop_simulated_slice)
-from .discovery import HostInfo, SliceInfo, SliceSpec, discover_slices
+                      local_head, start_simulated_slice, stop_simulated_slice)
+from .discovery import HostInfo, SliceInfo, SliceSpec, alive_nodes, discover_slices
 from .host_group import HostContext, HostFailure, HostStatus, TPUHostGroup, current_host, default_backend
 from .placement import SlicePlacementTimeout, SliceReservation, connect, reserve_slices
 

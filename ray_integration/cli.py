@@ -19,8 +19,8 @@ import sys
 from typing import List, Optional
 
 from . import jobs
-from .cluster import DEFAULT_RUN_DIR, LocalHead, alive_nodes, start_simulated_slice
-from .discovery import SliceSpec, slices_from_nodes
+from .cluster import DEFAULT_RUN_DIR, LocalHead, start_simulated_slice
+from .discovery import SliceSpec, alive_nodes, slices_from_nodes
 
 
 def _job_address(args) -> str:

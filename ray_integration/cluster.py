@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
-from .discovery import SIMULATED_LABEL, SliceSpec
+from .discovery import SIMULATED_LABEL, SliceSpec, alive_nodes
 
 DEFAULT_RUN_DIR = ".run/ray"
 DEFAULT_OBJECT_STORE_MEMORY = 80 * 1024**2
@@ -538,25 +538,6 @@ def _tail(path, n: int = 30) -> str:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return "(no log)"
-
-
-def alive_nodes(address: str, timeout_s: float = 10.0) -> List[dict]:
-    """Alive nodes of the cluster at GCS ``address``, read from the GCS (no driver needed)."""
-    from ray._raylet import GcsClient
-    from ray.core.generated import gcs_pb2
-
-    client = GcsClient(address=address)
-    out = []
-    for node_id, info in client.get_all_node_info(timeout=timeout_s).items():
-        if info.state != gcs_pb2.GcsNodeInfo.ALIVE:
-            continue
-        out.append({
-            "node_id": info.node_id.hex(),
-            "address": info.node_manager_address,
-            "labels": dict(info.labels),
-            "resources": dict(info.resources_total),
-        })
-    return out
 
 
 @contextlib.contextmanager

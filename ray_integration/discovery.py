@@ -213,11 +213,28 @@ def slices_from_nodes(nodes: List[dict]) -> Dict[str, SliceInfo]:
     return out
 
 
+def alive_nodes(address: str, timeout_s: float = 10.0) -> List[dict]:
+    """Alive nodes of the cluster at GCS ``address``, read from the GCS (no driver needed)."""
+    from ray._raylet import GcsClient
+    from ray.core.generated import gcs_pb2
+
+    client = GcsClient(address=address)
+    out = []
+    for node_id, info in client.get_all_node_info(timeout=timeout_s).items():
+        if info.state != gcs_pb2.GcsNodeInfo.ALIVE:
+            continue
+        out.append({
+            "node_id": info.node_id.hex(),
+            "address": info.node_manager_address,
+            "labels": dict(info.labels),
+            "resources": dict(info.resources_total),
+        })
+    return out
+
+
 def discover_slices(address: Optional[str] = None) -> Dict[str, SliceInfo]:
     """TPU slices of the connected Ray cluster (``ray.nodes()``), or of the GCS at ``address``."""
     if address is not None:
-        from .cluster import alive_nodes
-
         return slices_from_nodes(alive_nodes(address))
     import ray
 

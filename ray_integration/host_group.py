@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from .discovery import SIMULATED_LABEL, SliceSpec
+from .discovery import SliceSpec
 from .placement import SliceReservation, reserve_slices, slice_of
 
 # The process-group backend host groups use. "tpu" is torchtpu's distributed backend

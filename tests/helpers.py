@@ -26,28 +26,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_spawned(worker, nprocs: int, tmpdir) -> None:
-    """Run ``worker(rank, port, tmpdir, failures)`` in ``nprocs`` spawned processes; fail with every
-    rank's tracebacks that the workers appended to ``failures``."""
+def run_spawned(worker, nprocs: int, tmpdir) -> dict:
+    """Run ``worker(rank, port, tmpdir)`` in ``nprocs`` spawned processes (a rendezvous port is given).
+
+    Returns the results of the named checks the workers ran (see :func:`named_checks`):
+    ``{check name: {rank: traceback or None}}``, for :func:`assert_check` to assert one test item per
+    check. A process that fails outside a check fails the call, with its traceback."""
+    import json
+    import pathlib
+
     import torch.multiprocessing as mp
 
-    with mp.get_context("spawn").Manager() as manager:
-        failures = manager.list()
-        mp.start_processes(worker, args=(free_port(), str(tmpdir), failures), nprocs=nprocs, join=True,
-                           start_method="spawn")
-        errors = list(failures)
-    assert not errors, "\n\n".join(errors)
+    mp.start_processes(worker, args=(free_port(), str(tmpdir)), nprocs=nprocs, join=True, start_method="spawn")
+    table: dict = {}
+    for rank in range(nprocs):
+        path = pathlib.Path(tmpdir) / f"checks_{rank}.json"
+        ran = json.loads(path.read_text()) if path.exists() else {}
+        for name, error in ran.items():
+            table.setdefault(name, {})[rank] = error
+    return table
 
 
-def named_checks(rank: int, failures):
-    """``(check, results)`` for a spawned worker: ``check(name, fn)`` runs ``fn``, records its time in
-    ``results`` and a failure's traceback in ``failures``, so later checks still run.
-    ``REC_TEST_ONLY=a,b`` runs only the named checks; ``REC_TEST_VERBOSE=1`` prints each as it passes."""
+def assert_check(table: dict, name: str, nprocs: int) -> None:
+    """One check of a spawned job passed on every rank (``table`` from :func:`run_spawned`)."""
+    ranks = table.get(name, {})
+    missing = [r for r in range(nprocs) if r not in ranks]
+    assert not missing, f"check {name!r} did not run on rank(s) {missing} (an earlier failure stopped them?)"
+    errors = [f"rank {r}:\n{e}" for r, e in sorted(ranks.items()) if e is not None]
+    assert not errors, f"check {name!r} failed:\n" + "\n".join(errors)
+
+
+def named_checks(rank: int, tmpdir):
+    """``check(name, fn)`` for a spawned worker: runs ``fn`` and records its traceback (or None) under
+    ``name`` in ``tmpdir/checks_<rank>.json`` after each check, so a failing check neither hides the
+    next ones nor is lost if the process dies later. ``REC_TEST_ONLY=a,b`` runs only the named checks;
+    ``REC_TEST_VERBOSE=1`` prints each check's time as it ends."""
+    import json
     import os
+    import pathlib
     import time
     import traceback
 
-    results = []
+    results: dict = {}
+    path = pathlib.Path(tmpdir) / f"checks_{rank}.json"
 
     def check(name, fn):
         only = os.environ.get("REC_TEST_ONLY")
@@ -56,13 +77,15 @@ def named_checks(rank: int, failures):
         t0, c0 = time.time(), time.process_time()
         try:
             fn()
-            results.append(f"{name} ({time.time() - t0:.1f}s, cpu {time.process_time() - c0:.1f}s)")
-            if os.environ.get("REC_TEST_VERBOSE"):
-                print(rank, results[-1], flush=True)
+            results[name] = None
         except Exception:
-            failures.append(f"rank {rank} {name}:\n{traceback.format_exc()}")
+            results[name] = traceback.format_exc()
+        if os.environ.get("REC_TEST_VERBOSE"):
+            print(rank, name, f"{time.time() - t0:.1f}s, cpu {time.process_time() - c0:.1f}s",
+                  "ok" if results[name] is None else "FAILED", flush=True)
+        path.write_text(json.dumps(results))
 
-    return check, results
+    return check
 
 
 def expect_owner_index_error(run, rank: int, owner: int, feature: str) -> None:

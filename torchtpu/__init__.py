@@ -3,6 +3,14 @@
 ``import torchtpu`` registers the ``tpu`` device. Every op on a tpu tensor runs
 as an XLA executable: on a TPU host on the TPU, elsewhere on XLA's CPU (or GPU)
 backend with the same code.
+
+Layers, each importing only those below it (docs/architecture.md):
+``base`` (dtypes, random keys, metrics, memory, op names, user frames) ->
+``runtime`` (storage, the DeferAndFuse recorder, execution modes, the device) ->
+``dispatch`` (the lowering table, the kernel executor, the installer, the CPU
+fallback) -> ``ops`` (lowerings and decompositions) -> the front modules
+(``bucketing``, ``interop``, ``serialization``, ``distributed``) -> ``compile``.
+This file wires them together, in that order.
 """
 
 from __future__ import annotations
@@ -17,49 +25,50 @@ jax.config.update("jax_enable_x64", True)
 
 import torch  # noqa: E402
 
-from . import device as _device  # noqa: E402
+from .base import metrics  # noqa: E402
+from .runtime import device as _device  # noqa: E402
 
 _device.register()
 
-from . import fallback as _fallback  # noqa: E402
-from . import bucketing, metrics  # noqa: E402
-from . import lazy as _lazy  # noqa: E402
-from . import registry as _registry  # noqa: E402
-from . import ops  # noqa: E402,F401
-from .fallback import TPUFallbackWarning, cpu_fallback_enabled, set_cpu_fallback  # noqa: E402
-from .interop import from_jax, to_jax  # noqa: E402
-from .runtime import (  # noqa: E402
+from . import ops  # noqa: E402  (fills the lowering table)
+from .dispatch import fallback as _fallback  # noqa: E402
+from .dispatch import install as _install  # noqa: E402
+from .ops import decomp as _decomp  # noqa: E402
+
+_install.install()  # a kernel per lowering and hand-written kernel, their in-place and out= forms
+_decomp.register_decompositions()  # PyTorch's decompositions for ops still without a kernel
+_fallback.install()  # everything else: the CPU fallback
+
+from . import bucketing, serialization as _serialization  # noqa: E402
+from .dispatch.fallback import TPUFallbackWarning, cpu_fallback_enabled, set_cpu_fallback  # noqa: E402
+from .interop import assign_jax, from_jax, to_jax  # noqa: E402
+from .runtime.modes import (  # noqa: E402
     enable_persistent_cache,
     execution_mode,
     get_execution_mode,
     set_execution_mode,
+    sync,
     synchronize,
 )
-
-_registry.register_all()
-_fallback.install()
-
-from . import serialization as _serialization  # noqa: E402
 
 _serialization.install()
 
 if os.environ.get("TORCHTPU_COMPILATION_CACHE_DIR"):
     enable_persistent_cache(os.environ["TORCHTPU_COMPILATION_CACHE_DIR"])
 
+from . import distributed as _distributed  # noqa: E402
 
-def sync() -> None:
-    """Start every pending (DeferAndFuse) tpu computation and return without waiting for it,
-    like ``torch_xla``'s ``mark_step`` or a CUDA launch: the next step's Python overlaps this
-    one's XLA run. Host reads (``.item()``, ``.cpu()``) and ``torch.tpu.synchronize()`` wait."""
-    _lazy.flush("sync")
+_distributed.register()  # the "tpu" torch.distributed backend
 
 
 def device() -> torch.device:
+    """The ``tpu`` device of this process (``torch.device("tpu", 0)``)."""
     return torch.device("tpu", 0)
 
 
 __all__ = [
     "TPUFallbackWarning",
+    "assign_jax",
     "bucketing",
     "cpu_fallback_enabled",
     "device",
@@ -74,10 +83,6 @@ __all__ = [
     "synchronize",
     "to_jax",
 ]
-
-from . import distributed as _distributed  # noqa: E402
-
-_distributed.register()  # the "tpu" torch.distributed backend
 
 # The ~400k objects torch and JAX create at import are permanent; every full pass of Python's
 # cyclic collector re-scans them (about 0.6 s here). Each tpu op makes a few tracked objects, and

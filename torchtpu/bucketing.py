@@ -37,8 +37,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import metrics
-from .metrics import RecompileWarning, get_recompile_warning_threshold, set_recompile_warning_threshold
+from .base import metrics
+from .base.metrics import RecompileWarning, get_recompile_warning_threshold, set_recompile_warning_threshold
+from .runtime.recorder import RECORDER
 
 __all__ = [
     "BucketOverflowError",
@@ -387,12 +388,8 @@ def _scope(items):
 
 
 def _flush_pending():
-    try:
-        from . import lazy
-    except ImportError:  # no deferred runtime in this build
-        return
-    if lazy.pending_count():
-        lazy.flush("bucket_scope")
+    if RECORDER.pending:
+        RECORDER.flush("bucket_scope")
 
 
 # ---------------------------------------------------------------- padding helpers

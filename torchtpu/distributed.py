@@ -47,8 +47,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import dtypes, lazy, registry
-from .ops.core import _write_value
+from .base import dtypes
+from .runtime import storage
+from .runtime.recorder import RECORDER
 
 BACKEND_NAME = "tpu"
 _C = torch._C._distributed_c10d
@@ -132,8 +133,8 @@ def _describe(row, world) -> str:
 # ---------------------------------------------------------------- host staging
 def _flush() -> None:
     """Pending DeferAndFuse work must run before its values can be sent (trigger 'collective')."""
-    if lazy.pending_count():
-        lazy.flush("collective")
+    if RECORDER.pending:
+        RECORDER.flush("collective")
 
 
 def _is_tpu(t) -> bool:
@@ -142,10 +143,7 @@ def _is_tpu(t) -> bool:
 
 def _np_to_torch(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor over ``arr``'s memory (no copy; bfloat16/float8 through a same-width int view)."""
-    via = dtypes._BITCAST_VIA.get(dtype)
-    if via is not None:
-        return torch.from_numpy(arr.view(via[1])).view(dtype)
-    return torch.from_numpy(arr)
+    return dtypes.numpy_view_as_torch(arr, dtype)
 
 
 def _host_in(t: torch.Tensor, writable: bool = True) -> torch.Tensor:
@@ -156,7 +154,7 @@ def _host_in(t: torch.Tensor, writable: bool = True) -> torch.Tensor:
     array alive (numpy's base), so it cannot be freed or donated meanwhile.
     """
     if _is_tpu(t):
-        arr = np.asarray(registry.logical_value(t))  # the device->host transfer (a view on the CPU backend)
+        arr = np.asarray(storage.logical_value(t))  # the device->host transfer (a view on the CPU backend)
         if arr.ndim == 0:
             arr = arr.reshape(1)
         if writable and not arr.flags.writeable or not arr.flags.c_contiguous:
@@ -187,7 +185,7 @@ def _write_back(pairs) -> None:
         if _is_tpu(t):
             if dev is None:
                 dev = jax.local_devices()[0]
-            _write_value(t, _to_device(h.reshape(t.shape), dev))
+            storage.write_value(t, _to_device(h.reshape(t.shape), dev))
         else:
             with torch.no_grad():
                 t.copy_(h)

@@ -15,7 +15,7 @@ storages are given the few storage operations torch's own code relies on:
 
 - ``UntypedStorage(n, device="tpu")`` makes a storage of ``n`` zero bytes (this
   is the crash fix; everything else in torch then goes through tpu kernels:
-  ``storage.copy_`` is a byte-view ``copy_``, and ``storage.py`` lets a tensor
+  ``storage.copy_`` is a byte-view ``copy_``, and ``runtime/storage.py`` lets a tensor
   of any dtype read a storage's bytes);
 - ``clone()`` (deepcopy) shares the immutable jax buffer: no device work;
 - ``cpu()`` (``torch.save``) and ``_write_file`` / ``_set_from_file``
@@ -48,8 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import device as _device
-from . import storage as _storage
+from .runtime import device as _device
+from .runtime import storage as _storage
 
 _UntypedStorage = torch.UntypedStorage
 _orig_new = torch._C.StorageBase.__new__
@@ -92,7 +92,7 @@ def new_storage(nbytes: int, host_bytes: np.ndarray | None = None) -> torch.Unty
         buf = jnp.zeros((nbytes,), jnp.uint8)
     else:
         buf = jax.device_put(np.ascontiguousarray(host_bytes, dtype=np.uint8).reshape(-1), _device.jax_device())
-    return _storage._new_storage(nbytes, buf, torch.uint8)
+    return _storage.new_storage(nbytes, buf, torch.uint8)
 
 
 def host_bytes(s) -> np.ndarray:
@@ -131,7 +131,7 @@ def _storage_clone(self):
     sd = _tpu_data(self)
     # jax arrays are immutable and every write replaces a storage's buffer, so
     # sharing the buffer is a copy (the zero-copy deepcopy of a model).
-    return _storage._new_storage(sd.nbytes, sd.buf, sd.dtype)
+    return _storage.new_storage(sd.nbytes, sd.buf, sd.dtype)
 
 
 def _storage_cpu(self):

@@ -36,10 +36,8 @@ import torch
 from torch import nn
 
 import torchtpu
-from torchtpu import lazy as _lazy
 from torchtpu import metrics
 from torchtpu.bucketing import BucketPolicy
-from torchtpu.storage import storage_data
 
 from .preprocess import OVERFLOW_MODES, FeatureSlot, PreprocessedBatch, RecCounters, default_policy, preprocess
 from .tables import OptimizerSpec, TableSpec, stack_tables
@@ -287,7 +285,7 @@ class KernelTables:
 
     def mark_owned(self):
         """Record the current buffers as this object's own (loaded or made here: safe to donate)."""
-        self._owned = [storage_data(p).buf for p in self.params()]
+        self._owned = [torchtpu.to_jax(p) for p in self.params()]
 
     @staticmethod
     def device_inputs(batch: PreprocessedBatch):
@@ -302,7 +300,7 @@ class KernelTables:
 
     def lookup(self, batch: PreprocessedBatch):
         """The forward outputs as tpu tensors (no autograd)."""
-        bufs = tuple(storage_data(p).buf for p in self.params())
+        bufs = tuple(torchtpu.to_jax(p) for p in self.params())
         with metrics.bucket_scope((("rec_batch", batch.key),)):
             out = self.kernel.lookup(bufs, self.device_inputs(batch), self._segs(batch), batch.batch_size)
         if self.kernel.pooled:
@@ -315,24 +313,21 @@ class KernelTables:
             return _KernelFunction.apply(self, batch, *params)
         return self.lookup(batch)
 
-    def _checked_storages(self):
+    def _checked_params(self):
         params = self.params()
-        sds = [storage_data(p) for p in params]
-        for p, sd in zip(params, sds):
-            if p.storage_offset() != 0 or not p.is_contiguous() or sd.buf.size != p.numel():
+        for p in params:
+            if p.storage_offset() != 0 or not p.is_contiguous() or p.untyped_storage().nbytes() != p.nbytes:
                 raise RuntimeError(f"torchtpu_rec: table parameter {tuple(p.shape)} no longer owns its whole "
                                    "storage; load weights through the module's loaders")
-        return params, sds
+        return params
 
     def apply_update(self, batch: PreprocessedBatch, grads) -> None:
         """The fused backward: update tables and optimizer states in place."""
-        if _lazy.pending_count():
-            _lazy.flush("embedding_update")  # pending graphs may read the buffers about to be donated
-        params, sds = self._checked_storages()
-        bufs = tuple(sd.buf for sd in sds)
+        torchtpu.sync()  # pending graphs may read the buffers about to be donated
+        params = self._checked_params()
+        bufs = tuple(torchtpu.to_jax(p) for p in params)
         st_t = self.states()
-        st_sds = [[storage_data(s) for s in ss] for ss in st_t]
-        states = tuple(tuple(sd.buf for sd in ss) for ss in st_sds)
+        states = tuple(tuple(torchtpu.to_jax(s) for s in ss) for ss in st_t)
         gj = tuple(torchtpu.to_jax(g) for g in grads)
         for i in range(len(self.steps)):
             self.steps[i] += 1
@@ -344,18 +339,18 @@ class KernelTables:
         with metrics.bucket_scope((("rec_batch", batch.key),)):
             new_t, new_s = fn(bufs, states, self.device_inputs(batch), gj, lrs, steps, self._segs(batch),
                               batch.batch_size)
-        for sd, b in zip(sds, new_t):
-            sd.buf = b
-        for ss, bs in zip(st_sds, new_s):
-            for sd, b in zip(ss, bs):
-                sd.buf = b
+        for p, b in zip(params, new_t):
+            torchtpu.assign_jax(p, b)
+        for ss, bs in zip(st_t, new_s):
+            for s, b in zip(ss, bs):
+                torchtpu.assign_jax(s, b)
         self._owned = list(new_t)
         for p in params:  # autograd sees an in-place change (a stale saved weight then errors, not lies)
             torch.autograd.graph.increment_version(p)
 
     def dense_grads(self, batch: PreprocessedBatch, grads) -> list:
         params = self.params()
-        bufs = tuple(storage_data(p).buf for p in params)
+        bufs = tuple(torchtpu.to_jax(p) for p in params)
         gj = tuple(torchtpu.to_jax(g) for g in grads)
         out = self.kernel.grad(bufs, self.device_inputs(batch), gj, self._segs(batch), batch.batch_size)
         return [torchtpu.from_jax(o.reshape(-1)).view(p.shape) for o, p in zip(out, params)]
@@ -556,7 +551,7 @@ class _SparseCoreCollection(nn.Module):
             cur = np.array(jax.device_get(torchtpu.to_jax(p)), dtype=np.float32)
             for st, t, w in items:
                 cur[st.physical_rows_of(t.name)] = w
-            storage_data(p).buf = jnp.asarray(cur, dtype=_jdtype(self._stacks[i].dtype))
+            torchtpu.assign_jax(p, jnp.asarray(cur, dtype=_jdtype(self._stacks[i].dtype)))
         self._kernel.mark_owned()
 
     def optimizer_states(self) -> dict:
@@ -588,7 +583,7 @@ class _SparseCoreCollection(nn.Module):
                 if v.shape != cur[rows].shape:
                     raise ValueError(f"table {name!r}: state {key!r} shape {v.shape} != {cur[rows].shape}")
                 cur[rows] = v
-                storage_data(s).buf = jnp.asarray(cur)
+                torchtpu.assign_jax(s, jnp.asarray(cur))
             if "step" in d:
                 self._kernel.steps[i] = int(d["step"])
 

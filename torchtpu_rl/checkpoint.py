@@ -42,17 +42,12 @@ def to_host(obj):
 
 
 def _rng_state() -> dict:
-    from torchtpu import random as tpu_random
-
-    seed, counter = tpu_random.get_state()
-    return {"torch_cpu": torch.get_rng_state(), "tpu_seed": str(seed), "tpu_counter": int(counter)}
+    return {"torch_cpu": torch.get_rng_state(), "tpu": torch.tpu.get_rng_state()}
 
 
 def _set_rng_state(state: dict) -> None:
-    from torchtpu import random as tpu_random
-
     torch.set_rng_state(state["torch_cpu"])
-    tpu_random.set_state((int(state["tpu_seed"]), int(state["tpu_counter"])))
+    torch.tpu.set_rng_state(state["tpu"])
 
 
 def save_checkpoint(path: str, learner, driver_state: Optional[dict] = None) -> str:

@@ -33,7 +33,6 @@ import torch
 import torch.nn as nn
 
 from torchtpu import bucketing
-from torchtpu import random as tpu_random
 from torchtpu.bucketing import BucketPolicy
 
 from . import algorithms as A
@@ -373,7 +372,7 @@ class Learner:
             "optimizer": _to_cpu(self.optimizer.state_dict()),
             "rng": {
                 "torch": torch.get_rng_state(),
-                "tpu": tpu_random.get_state(),
+                "tpu": torch.tpu.get_rng_state(),
                 "python": random.getstate(),
                 "numpy": np.random.get_state(),
                 "learner": self._gen.get_state(),
@@ -403,7 +402,7 @@ class Learner:
             self.critic_optimizer.load_state_dict(sd["critic_optimizer"])
         rng = sd["rng"]
         torch.set_rng_state(rng["torch"])
-        tpu_random.set_state(rng["tpu"])
+        torch.tpu.set_rng_state(rng["tpu"])
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         self._gen.set_state(rng["learner"])

@@ -57,8 +57,7 @@ import numpy as np
 import torch
 
 import torchtpu
-from torchtpu import registry as _registry
-from torchtpu import storage as _storage
+from torchtpu.interop import array_from_bytes, bytes_of
 
 __all__ = [
     "ALIGN",
@@ -171,13 +170,7 @@ def host_bytes(t: torch.Tensor) -> np.ndarray:
     a contiguous tpu tensor on XLA's CPU backend), otherwise one device -> host copy."""
     t = t.detach()
     if t.device.type == "tpu":
-        sd = _storage.storage_data(t)
-        lay = _storage.layout(t)
-        size, stride, offset = lay
-        buf = sd.buf
-        if not (offset == 0 and buf.size == math.prod(size) and _storage._is_contiguous(size, stride)):
-            buf = _registry.logical_value(t)
-        a = np.asarray(buf)
+        a = np.asarray(torchtpu.to_jax(t, flat=True))
         if a.dtype == np.bool_:
             a = a.view(np.uint8)
         return a.reshape(-1).view(np.uint8)
@@ -212,15 +205,11 @@ def _tensors_from_arena(plan: BucketPlan, arena: torch.Tensor, device: str) -> d
         v = arena[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
         if device == "cpu":
             out[s.name] = v
+        elif v.numel():
+            out[s.name] = torchtpu.from_jax(jax.dlpack.from_dlpack(v), s.dtype)
         else:
-            out[s.name] = torchtpu.from_jax(jax.dlpack.from_dlpack(v) if v.numel() else
-                                             jax.numpy.zeros(s.shape, _dtype_jax(s.dtype)), s.dtype)
+            out[s.name] = torch.empty(s.shape, dtype=s.dtype, device="tpu")
     return out
-
-
-def _dtype_jax(dt):
-    from torchtpu import dtypes
-    return dtypes.to_jax(dt)
 
 
 # ------------------------------------------------------------------ updates
@@ -310,7 +299,7 @@ class WeightSender:
             for w in work:
                 w.wait()
         else:
-            arrays = [_registry.logical_value(t.detach()) for t in tensors]
+            arrays = [torchtpu.to_jax(t.detach()) for t in tensors]
             for b in range(plan.num_buckets):
                 fn = self._pack_fns.get(b)
                 if fn is None:
@@ -384,7 +373,7 @@ class WeightReceiver:
                 lo, hi = plan.bucket_range(b)
                 buf = torch.empty(hi - lo, dtype=torch.uint8, device="tpu")
                 torch.distributed.broadcast(buf, src=0)
-                buckets.append(_registry.logical_value(buf))
+                buckets.append(torchtpu.to_jax(buf))
             key = plan.fingerprint() + str(plan.bucket_bytes)
             fn = self._unpack_fns.get(key)
             if fn is None:
@@ -413,7 +402,7 @@ def _pack_fn(plan: BucketPlan, b: int):
             start = plan.slots[i].offset + a
             if start > pos:
                 parts.append(jnp.zeros((start - pos,), jnp.uint8))
-            parts.append(_storage._to_bytes(by_i[i])[a:z])
+            parts.append(bytes_of(by_i[i])[a:z])
             pos = start + (z - a)
         if pos < hi:
             parts.append(jnp.zeros((hi - pos,), jnp.uint8))
@@ -426,8 +415,6 @@ def _unpack_fn(plan: BucketPlan):
     """A jitted function: all buckets' bytes -> every tensor of the plan."""
     import jax.numpy as jnp
 
-    from torchtpu import dtypes
-
     def unpack(*buckets):
         out = []
         for s in plan.slots:
@@ -439,7 +426,7 @@ def _unpack_fn(plan: BucketPlan):
                     pieces.append(buckets[b][a - lo:z - lo])
             u8 = jnp.concatenate(pieces) if len(pieces) > 1 else (pieces[0] if pieces else jnp.zeros((0,), jnp.uint8))
             n = math.prod(s.shape)
-            out.append(_storage._from_bytes(u8, dtypes.to_jax(s.dtype), n).reshape(s.shape))
+            out.append(array_from_bytes(u8, s.dtype, n).reshape(s.shape))
         return tuple(out)
 
     return jax.jit(unpack)

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torchtpu
-from torchtpu import metrics, runtime
+from torchtpu import metrics
+from torchtpu.runtime import modes
 from torchtpu.bucketing import (
     BucketOverflowError,
     BucketPolicy,
@@ -25,7 +26,7 @@ from torchtpu.bucketing import (
 )
 
 FAST = settings(max_examples=60, deadline=None)
-MODES = runtime.MODES
+MODES = modes.MODES
 
 
 @pytest.fixture(params=MODES)
@@ -366,7 +367,7 @@ def test_recompile_warning_suggests_a_policy_from_the_shapes_it_saw():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for n in (3, 9, 17, 40, 100):
-                # shaped like a registry key: (op, ((size, stride, offset), dtype, storage numel), ...)
+                # shaped like a kernel cache key: (op, ((size, stride, offset), dtype, storage numel), ...)
                 key = ("op", ((torch.Size([8, n]), (n, 1), 0), torch.float32, 8 * n),
                        ((torch.Size([4]), (1,), 0), torch.int64, 4), 2.0)
                 metrics.record_miss("test::graph", key)

@@ -16,7 +16,7 @@ import torch
 import torch._dynamo
 
 import torchtpu
-import torchtpu.compile  # noqa: F401  (registers the "tpu" backend until __init__ imports it)
+import torchtpu.compile  # noqa: F401  (also what Dynamo's entry point for backend="tpu" imports)
 from torchtpu_models import TinyTransformer, TransformerConfig, training_step
 
 
@@ -150,7 +150,7 @@ def test_traced_backward_step_is_two_graphs_and_matches_eager():
 
 def test_fused_adamw_step_is_correct_under_compile():
     """Dynamo graph-breaks on AdamW(fused=True) (a torch.compiler.disable'd piece of torch.optim, for
-    every backend): optimizer.step() runs eagerly as ONE _fused_adamw_ executable (the registry's
+    every backend): optimizer.step() runs eagerly as ONE _fused_adamw_ executable (the eager kernel's
     lowering), the rest compiled; results equal eager."""
     ref, _ = _train("cpu", "eager", lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True))
     torchtpu.metrics.reset()

@@ -1,4 +1,4 @@
-"""The storage model, the op registry and the CPU fallback."""
+"""The storage model, the op lowering table and kernels, and the CPU fallback."""
 
 import warnings
 

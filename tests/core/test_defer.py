@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torchtpu
-from torchtpu import lazy, metrics
+from torchtpu import metrics
+from torchtpu.runtime.recorder import RECORDER
 
 
 @pytest.fixture
@@ -23,14 +24,14 @@ def flushes():
 
 def test_ops_are_recorded_not_run(defer):
     a = torch.arange(6.0).reshape(2, 3).to("tpu")
-    before = lazy.pending_count()
+    before = len(RECORDER.pending)
     b = (a * 2 + 1).t()
     b[0].mul_(10)
-    assert lazy.pending_count() == before + 3
+    assert len(RECORDER.pending) == before + 3
     expected = (torch.arange(6.0).reshape(2, 3) * 2 + 1).t()
     expected[0].mul_(10)
     torch.testing.assert_close(b.cpu(), expected)
-    assert lazy.pending_count() == 0
+    assert len(RECORDER.pending) == 0
 
 
 @pytest.mark.parametrize(
@@ -50,7 +51,7 @@ def test_flush_triggers_are_counted_by_reason(defer, read, reason):
     before = flushes().get(reason, 0)
     read(t)
     assert flushes().get(reason, 0) >= before + 1  # printing reads several values
-    assert lazy.pending_count() == 0
+    assert len(RECORDER.pending) == 0
 
 
 def test_data_dependent_control_flow_flushes(defer):
@@ -67,12 +68,12 @@ def test_mode_switch_flushes():
         t = torch.ones(3).to("tpu") + 1
         before = flushes().get("mode_switch", 0)
     assert flushes()["mode_switch"] == before + 1
-    assert lazy.pending_count() == 0
+    assert len(RECORDER.pending) == 0
     torch.testing.assert_close(t.cpu(), torch.full((3,), 2.0))
 
 
 def test_size_cap_flushes(defer, monkeypatch):
-    monkeypatch.setattr(lazy, "MAX_PENDING", 10)
+    monkeypatch.setattr(RECORDER, "max_pending", 10)
     t = torch.ones(3).to("tpu")
     before = flushes().get("size_cap", 0)
     for _ in range(25):
@@ -95,7 +96,7 @@ def _step(w, x):
 
 
 def test_repeating_loop_flushes_once_per_iteration_and_stops_compiling(defer, monkeypatch):
-    monkeypatch.setattr(lazy, "MIN_LOOP_PERIOD", 16)  # this toy step has ~27 ops
+    monkeypatch.setattr(RECORDER, "min_loop_period", 16)  # this toy step has ~27 ops
     w = torch.ones(8).to("tpu")
     x = torch.linspace(-1, 1, 32).reshape(4, 8).to("tpu")
     for _ in range(4):  # warm-up: detection needs two iterations, and the first loop flush is longer
@@ -168,10 +169,10 @@ def _explode_lowering(x):
 
 
 def test_lowering_errors_raise_at_the_recording_line(defer):
-    from torchtpu import registry
+    from torchtpu.dispatch import install, lowering
 
-    low = registry.Lowering("torchtpu_defer_test::explode.default", _explode_lowering)
-    registry._register_kernel(torch.ops.torchtpu_defer_test.explode.default, low)
+    lowering.lower("torchtpu_defer_test::explode")(_explode_lowering)
+    install.install()
     x = torch.ones(2).to("tpu")
     with pytest.raises(ValueError, match="refuses") as info:
         torch.ops.torchtpu_defer_test.explode(x)  # recorded here: the error must point here
@@ -356,9 +357,9 @@ def _mlp_steps(mode, steps, sync_each):
             losses.append(loss.detach())  # no host read inside the loop
             if sync_each:
                 torchtpu.sync()
-                assert len(lazy._inflight) <= lazy.MAX_IN_FLIGHT
+                assert RECORDER.in_flight <= RECORDER.max_in_flight
         torch.tpu.synchronize()
-        assert not lazy._inflight
+        assert RECORDER.in_flight == 0
         return [p.cpu() for p in model.parameters()], torch.stack(losses).cpu()
 
 
@@ -366,7 +367,7 @@ def _mlp_steps(mode, steps, sync_each):
 def test_chained_steps_without_host_reads_match_strict_eager(sync_each, monkeypatch):
     """sync() returns once the step's graph is dispatched; the next step records (and donates
     the parameters the running graph is still writing) before it finishes."""
-    monkeypatch.setattr(lazy, "MIN_LOOP_PERIOD", 8)
+    monkeypatch.setattr(RECORDER, "min_loop_period", 8)
     before = flushes()
     params_d, losses_d = _mlp_steps("defer_and_fuse", 8, sync_each)
     after = flushes()
@@ -396,10 +397,10 @@ def _host_check_lowering(x):
 
 
 def test_runtime_error_of_a_dispatched_graph_names_the_recording_line(defer):
-    from torchtpu import registry
+    from torchtpu.dispatch import install, lowering
 
-    low = registry.Lowering("torchtpu_defer_test::host_check.default", _host_check_lowering)
-    registry._register_kernel(torch.ops.torchtpu_defer_test.host_check.default, low)
+    lowering.lower("torchtpu_defer_test::host_check")(_host_check_lowering)
+    install.install()
     x = torch.ones(3).to("tpu")
     ok = torch.ops.torchtpu_defer_test.host_check(x * 2)
     torchtpu.sync()
@@ -422,7 +423,7 @@ def test_runtime_error_of_a_dispatched_graph_names_the_recording_line(defer):
 
 
 def test_flush_after_backward_is_its_own_counted_trigger(monkeypatch):
-    monkeypatch.setattr(lazy, "FLUSH_AFTER_BACKWARD", True)
+    monkeypatch.setattr(RECORDER, "flush_after_backward", True)
     torch.manual_seed(0)
     lin = torch.nn.Linear(4, 3)
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
@@ -439,11 +440,11 @@ def test_flush_after_backward_is_its_own_counted_trigger(monkeypatch):
         assert flushes().get("backward", 0) == before
         loss.backward()
         assert flushes().get("backward", 0) == before + 1
-        assert lazy.pending_count() == 0  # forward and backward went out as one graph
+        assert len(RECORDER.pending) == 0  # forward and backward went out as one graph
         lin_t.weight.data.mul_(1.0)  # the optimizer part records after it
-        assert lazy.pending_count() == 1
+        assert len(RECORDER.pending) == 1
         torch.testing.assert_close(lin_t.weight.grad.cpu(), want, rtol=1e-5, atol=1e-6)
-    monkeypatch.setattr(lazy, "FLUSH_AFTER_BACKWARD", False)
+    monkeypatch.setattr(RECORDER, "flush_after_backward", False)
     with torchtpu.execution_mode("defer_and_fuse"):
         before = flushes().get("backward", 0)
         (lin_t(x.to("tpu")) ** 2).sum().backward()

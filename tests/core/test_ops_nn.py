@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchtpu
 from helpers import no_fallback
-from torchtpu import registry
+from torchtpu.dispatch import install
+from torchtpu.dispatch.lowering import LOWERINGS
 
 TPU = "tpu"
 
@@ -37,7 +38,7 @@ class _OpLog(TorchDispatchMode):
 
 def _lowered(op):
     qual = "aten::" + op if "::" not in op else op
-    return qual in registry.LOWERINGS or qual in registry._KERNELS or qual in registry._registered
+    return qual in LOWERINGS or install.installed(qual)
 
 
 def host(t):
@@ -676,7 +677,7 @@ LINALG = {
 
 # QR's backward takes ``diagonal(...).real`` and scales it in place: that needs
 # ``real`` to be the alias PyTorch's composite returns for real dtypes, not a copy
-_REAL_IS_A_COPY = "aten::real.default" in registry.LOWERINGS
+_REAL_IS_A_COPY = "aten::real.default" in LOWERINGS
 
 
 @pytest.mark.parametrize("name", list(LINALG))
@@ -790,7 +791,7 @@ def _views(base):
 
 @pytest.mark.parametrize("name", list(INPLACE))
 def test_foreach_inplace(name):
-    """In-place forms (derived by the registry) write each tensor, including a
+    """In-place forms (derived by the installer) write each tensor, including a
     strided view of a larger tensor, and are one lowered op."""
     fn, op = INPLACE[name]
     a_cpu, b_cpu = _lists(), _lists()
@@ -809,7 +810,7 @@ def test_foreach_inplace(name):
     assert op in log.ops and _lowered(op), log.ops
 
 
-@pytest.mark.xfail(strict=True, reason="registry: when several mutated list entries share one storage, each "
+@pytest.mark.xfail(strict=True, reason="kernel executor: when several mutated list entries share one storage, each "
                    "write starts from the original buffer and the last one wins (DDP bucket views, flat params)")
 def test_foreach_inplace_entries_sharing_one_storage():
     base = R(40)

@@ -191,7 +191,7 @@ case("to_jax_from_jax_zero_copy", """
     t = torch.ones(2, 3, device="tpu") * torch.arange(3.0, device="tpu")
     j = torchtpu.to_jax(t)
     assert isinstance(j, jax.Array) and j.shape == (2, 3)
-    assert j is torchtpu.storage.storage_data(t).buf  # the storage's own buffer, not a copy
+    assert j is torchtpu.to_jax(t, flat=True)  # the storage's own buffer, not a copy
     np.testing.assert_array_equal(np.asarray(j), np.ones((2, 3)) * np.arange(3.0))
     a = jnp.arange(4, dtype=jnp.float32) * 2
     u = torchtpu.from_jax(a)
@@ -343,18 +343,18 @@ case("autograd_runs", """
     torch.accelerator.synchronize()
 """)
 
-# ---------------------------------------------------------------- the registry checks what lowerings return (DESIGN)
+# ---------------------------------------------------------------- the kernel executor checks what lowerings return (DESIGN)
 case("bad_lowering_results_are_errors", """
     import jax.numpy as jnp
-    from torchtpu import registry
+    from torchtpu.dispatch import install, lowering
     lib = torch.library.Library("tpusafety", "DEF")
     for n in ("ret_none", "ret_shape", "ret_two"):
         lib.define(n + "(Tensor x) -> Tensor")
         lib.impl(n, lambda x: torch.empty_like(x), "Meta")
-    registry.lower("tpusafety::ret_none")(lambda x: None)
-    registry.lower("tpusafety::ret_shape")(lambda x: jnp.zeros((5,)))
-    registry.lower("tpusafety::ret_two")(lambda x: (x, x))
-    registry.register_all()
+    lowering.lower("tpusafety::ret_none")(lambda x: None)
+    lowering.lower("tpusafety::ret_shape")(lambda x: jnp.zeros((5,)))
+    lowering.lower("tpusafety::ret_two")(lambda x: (x, x))
+    install.install()
     a = torch.ones(3, device="tpu")
     for n in ("ret_none", "ret_shape", "ret_two"):
         try:

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from helpers import expect_owner_index_error, named_checks, run_spawned, tpu_dmp
+from helpers import assert_check, expect_owner_index_error, named_checks, run_spawned, tpu_dmp
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,7 +55,7 @@ def _close(name, a, b, atol=1e-5):
         raise AssertionError(f"{name}: max diff {diff}")
 
 
-def _worker(rank, port, tmpdir, failures):
+def _worker(rank, port, tmpdir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import warnings
 
@@ -85,7 +85,7 @@ def _worker(rank, port, tmpdir, failures):
     ref_sd = {k: v.clone() for k, v in ref.state_dict().items()}
     batches = [_batch(100 + r) for r in range(WORLD)]
     mine = batches[rank]
-    check, results = named_checks(rank, failures)
+    check = named_checks(rank, tmpdir)
 
     def dmp_for(per_param):
         return tpu_dmp(EmbeddingBagCollection(tables=_tables(), device=torch.device("meta")), per_param, sharder, WORLD)
@@ -200,9 +200,27 @@ def _worker(rank, port, tmpdir, failures):
 
     # last: the rank that raises leaves the group out of step
     check("out_of_range_id_names_feature", out_of_range)
-    if rank == 0:
-        print("passed:", results, flush=True)
 
 
-def test_dmp_all_sharding_types_on_tpu(tmp_path):
-    run_spawned(_worker, WORLD, tmp_path)
+CHECKS = [
+    "forward_all_sharding_types",
+    "optimizer_step_all_sharding_types",
+    "planner_plan",
+    "checkpoint_tw_to_rw",
+    "out_of_range_id_names_feature",
+]
+
+
+@pytest.fixture(scope="module")
+def dmp_job(tmp_path_factory):
+    """The 2-process job, run once; each of its checks is one test item below."""
+    return run_spawned(_worker, WORLD, tmp_path_factory.mktemp("dmp_job"))
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_dmp_on_tpu(dmp_job, name):
+    assert_check(dmp_job, name, WORLD)
+
+
+def test_every_check_is_listed(dmp_job):
+    assert set(dmp_job) == set(CHECKS), set(dmp_job) ^ set(CHECKS)

@@ -20,7 +20,7 @@ import os
 
 import pytest
 import torch
-from helpers import expect_owner_index_error, named_checks, run_spawned, tpu_dmp
+from helpers import assert_check, expect_owner_index_error, named_checks, run_spawned, tpu_dmp
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -71,7 +71,7 @@ def _seq_loss(out, keys):
     return sum(((out[k].values() * (i + 1)) ** 2).sum() * 0.5 for i, k in enumerate(keys))
 
 
-def _worker(rank, port, tmpdir, failures):
+def _worker(rank, port, tmpdir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import warnings
 
@@ -119,7 +119,7 @@ def _worker(rank, port, tmpdir, failures):
     from torchtpu_rec.sharding import TPUEmbeddingCollectionSharder, tpu_data_parallel_wrapper, tpu_sharders
     from torchtpu_rec.sharding.planner import plan_for_tpu
 
-    check, results = named_checks(rank, failures)
+    check = named_checks(rank, tmpdir)
 
     def ec_dmp(per_table, fused_params, tables=None):
         sharder = TPUEmbeddingCollectionSharder(fused_params=fused_params)
@@ -319,9 +319,27 @@ def _worker(rank, port, tmpdir, failures):
 
     # last: the rank that raises leaves the group out of step
     check("out_of_range_id_names_feature", out_of_range)
-    if rank == 0:
-        print("passed:", results, flush=True)
 
 
-def test_ec_dmp_sharding_types_and_fused_state_checkpoints(tmp_path):
-    run_spawned(_worker, WORLD, tmp_path)
+CHECKS = [
+    "ec_forward_and_fused_sgd_all_sharding_types",
+    "ec_fused_adagrad_all_sharding_types",
+    "ebc_and_ec_planned_by_tpu_planner",
+    "checkpoint_with_fused_optimizer_state_resumes_exactly",
+    "out_of_range_id_names_feature",
+]
+
+
+@pytest.fixture(scope="module")
+def ec_job(tmp_path_factory):
+    """The 2-process job, run once; each of its checks is one test item below."""
+    return run_spawned(_worker, WORLD, tmp_path_factory.mktemp("ec_job"))
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_ec_dmp_on_tpu(ec_job, name):
+    assert_check(ec_job, name, WORLD)
+
+
+def test_every_check_is_listed(ec_job):
+    assert set(ec_job) == set(CHECKS), set(ec_job) ^ set(CHECKS)

@@ -1,4 +1,5 @@
-"""Op lowerings, one module per family; importing registers them in the registry."""
+"""Op lowerings, one module per family; importing fills the lowering table (dispatch/lowering.py).
+PyTorch's decompositions for the ops still without a kernel are installed by ``decomp``."""
 
 from . import (  # noqa: F401
     core,

@@ -10,9 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from .. import dtypes, storage
-from ..device import check_device
-from ..registry import LOWERINGS, Kernel, impl, logical_value, lower
+from ..base import dtypes
+from ..dispatch.kernel import Kernel
+from ..dispatch.lowering import LOWERINGS, impl, lower
+from ..runtime import layout, storage
+from ..runtime.device import check_device
+from ..runtime.storage import logical_value
 
 aten = torch.ops.aten
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -120,7 +123,7 @@ def _copy(dst, src, non_blocking=False):
 
 @lower("_to_copy")
 def _to_copy_tpu(x, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
-    return x  # the registry casts to the dtype PyTorch's meta gives
+    return x  # the kernel executor casts to the dtype PyTorch's meta gives
 
 
 _copy_inplace = Kernel(aten.copy_.default, LOWERINGS["aten::copy.default"], functional=aten.copy.default)
@@ -137,7 +140,7 @@ def _copy_(dst, src, non_blocking=False):
             value = _cpu_to_jax(src)
         else:
             raise RuntimeError(f"torchtpu: cannot copy from {src.device} to tpu")
-        _write_value(dst, value)
+        storage.write_value(dst, value)
         return dst
     # dst on cpu (or elsewhere), src on tpu
     host = dtypes.numpy_to_torch(storage.to_numpy_host(src), src.dtype)
@@ -152,48 +155,6 @@ class _null:
 
     def __exit__(self, *a):
         return False
-
-
-_write_cache: dict = {}
-
-
-def _write_value(dst, value):
-    """Write jax ``value`` (broadcast and cast) into tpu tensor ``dst``."""
-    sd = storage.storage_data(dst)
-    lay = storage.layout(dst)
-    size = lay[0]
-    if tuple(value.shape) != tuple(size):
-        try:
-            jnp.broadcast_shapes(value.shape, size)
-        except ValueError:
-            raise RuntimeError(
-                f"The size of tensor a ({list(size)}) must match the size of tensor b ({list(value.shape)})"
-            ) from None
-    numel = math.prod(size)
-    if (lay[2] == 0 and sd.buf.size == numel and storage._is_contiguous(size, lay[1])
-            and tuple(value.shape) == tuple(size)):
-        jd = dtypes.to_jax(dst.dtype)
-        v = value if value.dtype == jd else _cast(value, jd)
-        sd.buf = v
-        return
-    key = (lay, sd.buf.shape, sd.buf.dtype, value.shape, value.dtype)
-    fn = _write_cache.get(key)
-    if fn is None:
-        fn = jax.jit(lambda b, v: storage.write(b, lay, v))
-        _write_cache[key] = fn
-    sd.buf = fn(sd.buf, value)
-
-
-_cast_cache: dict = {}
-
-
-def _cast(value, jd):
-    key = (value.dtype, jd)
-    fn = _cast_cache.get(key)
-    if fn is None:
-        fn = jax.jit(lambda v: v.astype(jd))
-        _cast_cache[key] = fn
-    return fn(value)
 
 
 @impl("_to_copy")
@@ -234,7 +195,7 @@ def _resize_(self, size, memory_format=None):
     if new_numel <= sd.buf.size - self.storage_offset() and self.is_contiguous():
         # fits in the existing storage: a metadata change, as on CPU
         aten.set_.source_Storage_storage_offset(self, self.untyped_storage(), self.storage_offset(),
-                                                size, storage.contiguous_strides(size))
+                                                size, layout.contiguous_strides(size))
         return self
     flat = logical_value(self).reshape(-1) if old_numel else jnp.zeros((0,), dtypes.to_jax(self.dtype))
     if new_numel > flat.shape[0]:

@@ -6,16 +6,16 @@ has a decomposition for it, running that decomposition on the tpu tensors keeps
 the work on the device: its sub-ops dispatch to our lowerings (or, failing
 that, to their own decompositions or the fallback).
 
-``register_decompositions()`` runs once, at the end of ``registry.register_all()``,
-after every lowering and hand-written kernel is registered, so it never shadows
-them. It skips:
+``register_decompositions()`` runs once, from ``torchtpu/__init__.py`` after
+``dispatch.install.install()`` has installed every lowering and hand-written
+kernel, so it never shadows them. It skips:
 
 * ops that already have a tpu kernel;
 * CompositeImplicitAutograd ops (they decompose before reaching the device);
 * ops whose CompositeExplicitAutograd C++ kernel already serves the tpu key by
   calling other aten ops (their sub-ops reach our lowerings already), unless it
   only forwards to a CPU-only ``out=`` kernel (linspace, eye);
-* views (their results must alias) and ``out=`` overloads (the registry derives
+* views (their results must alias) and ``out=`` overloads (the installer derives
   those from the functional kernel);
 * the decompositions listed in ``EXCLUDED``.
 
@@ -26,9 +26,7 @@ falls back for that call.
 
 In-place forms of ops that gained a decomposition kernel are derived here as
 "run the functional op, copy the result into ``self``", with PyTorch's
-casting and shape checks. Before all that, the registry's own in-place and
-``out=`` derivation is completed over every aten op (``dir(torch.ops.aten)``
-lists only the packets loaded so far).
+casting and shape checks.
 """
 
 from __future__ import annotations
@@ -37,7 +35,8 @@ import threading
 
 import torch
 
-from .. import fallback, registry
+from ..base.opnames import op_from_name, qualified_name
+from ..dispatch import fallback, install
 
 aten = torch.ops.aten
 
@@ -60,10 +59,6 @@ DECOMPOSED: dict[str, object] = {}  # qual name -> decomposition, for introspect
 
 _has = torch._C._dispatch_has_kernel_for_dispatch_key
 _state = threading.local()
-
-
-def _qual(op):
-    return f"{op._schema.name}.{op._overloadname}"
 
 
 def _served_natively(op) -> bool:
@@ -177,20 +172,20 @@ def _make_kernel(op, decomposition):
             key = None
         verdict = verdicts.get(key) if key is not None else None
         if verdict is False:
-            return fallback._fallback(op, *args, **kwargs)
+            return fallback.run_on_cpu(op, *args, **kwargs)
         active = getattr(_state, "active", None)
         if active is None:
             active = _state.active = set()
         # a decomposition that re-enters its own op would recurse forever: let CPU run that call
         if op in active:
-            return fallback._fallback(op, *args, **kwargs)
+            return fallback.run_on_cpu(op, *args, **kwargs)
         active.add(op)
         try:
             out = decomposition(*args, **kwargs)
         finally:
             active.discard(op)
         if out is NotImplemented:
-            return fallback._fallback(op, *args, **kwargs)
+            return fallback.run_on_cpu(op, *args, **kwargs)
         if verdict is None:
             # first call of this signature: a decomposition whose outputs differ in shape or
             # dtype from PyTorch's kernel (e.g. batch_norm's saved stats in eval mode) is
@@ -199,7 +194,7 @@ def _make_kernel(op, decomposition):
             if key is not None:
                 verdicts[key] = verdict
             if not verdict:
-                return fallback._fallback(op, *args, **kwargs)
+                return fallback.run_on_cpu(op, *args, **kwargs)
         return out
 
     kernel.decomposition = decomposition
@@ -237,8 +232,8 @@ def register_decompositions() -> list[str]:
     for op, decomposition in list(decomposition_table.items()):
         if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
             continue
-        qual = _qual(op)
-        if qual in registry._registered or qual in EXCLUDED or _is_out(op) or _returns_alias(op):
+        qual = qualified_name(op)
+        if install.installed(qual) or qual in EXCLUDED or _is_out(op) or _returns_alias(op):
             continue
         name = op.name()
         try:
@@ -246,13 +241,13 @@ def register_decompositions() -> list[str]:
                 continue
         except RuntimeError:
             continue
-        registry.register_impl(qual, _make_kernel(op, decomposition))
+        install.install_impl(qual, _make_kernel(op, decomposition))
         DECOMPOSED[qual] = decomposition
         added.append(qual)
 
     # in-place forms of ops that now have a decomposition kernel
     for qual in list(added):
-        op = registry.op_from_name(qual)
+        op = op_from_name(qual)
         if _mutates(op):
             continue
         base = op._schema.name.split("::")[1]
@@ -260,17 +255,17 @@ def register_decompositions() -> list[str]:
         if packet is None or op._overloadname not in packet.overloads():
             continue
         iop = getattr(packet, op._overloadname)
-        iqual = _qual(iop)
-        if iqual in registry._registered:
+        iqual = qualified_name(iop)
+        if install.installed(iqual):
             continue
         try:
             if _has(iop.name(), "CompositeImplicitAutograd") or _served_natively(iop):
                 continue
         except RuntimeError:
             continue
-        registry.register_impl(iqual, _make_inplace(iop, op))
+        install.install_impl(iqual, _make_inplace(iop, op))
         added.append(iqual)
 
     # out= forms of the new functional kernels
-    registry._register_out_variants()
+    install.install_out_variants()
     return added

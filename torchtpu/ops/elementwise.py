@@ -1,5 +1,5 @@
-"""Pointwise ops. Result dtypes come from PyTorch's meta kernels (registry), so
-lowerings here compute values and leave type promotion to the registry."""
+"""Pointwise ops. Result dtypes come from PyTorch's meta kernels (dispatch/kernel.py), so
+lowerings here compute values and leave type promotion to the kernel executor."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.scipy import special as jsp
 
-from ..registry import lower
+from ..dispatch.lowering import lower
 
 
 def _float(x):
@@ -194,7 +194,7 @@ _FULL_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
 
 
 def _promote_pair(a, b):
-    """Compute in a common dtype; the registry casts the result to PyTorch's.
+    """Compute in a common dtype; the kernel executor casts the result to PyTorch's.
 
     As in PyTorch, a 0-dim float operand (a Python scalar) does not widen a dimensioned
     float32/float64 tensor: ``x_f32 * 0.9`` computes in float32, not float64 and back

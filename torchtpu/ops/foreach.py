@@ -5,9 +5,9 @@ without these kernels each ``_foreach_add_`` would run as one op per tensor.
 Here each is a single lowering over the whole list, so an AdamW step is a
 handful of executables whatever the number of parameters. Element semantics
 (type promotion, integer division, ...) are those of the single-tensor
-lowerings, looked up in the registry, so the two cannot drift apart; the
-registry casts each output to PyTorch's dtype. In-place forms
-(``_foreach_add_``) are derived by the registry.
+lowerings, looked up in the lowering table, so the two cannot drift apart; the
+kernel executor casts each output to PyTorch's dtype. In-place forms
+(``_foreach_add_``) are derived by the installer.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import torch
 
-from ..registry import LOWERINGS, lower
+from ..dispatch.lowering import LOWERINGS, lower
 
 aten = torch.ops.aten
 
@@ -33,7 +33,7 @@ def _ew(name):
     return f
 
 
-# the registry derives in-place kernels from the aten packets it can see: load them
+# the installer derives in-place kernels from the aten packets it can see: load them
 _ALL = sorted({n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
                if n.startswith(("aten::_foreach_", "aten::_fused_sgd", "aten::_fused_adam"))})
 for _n in _ALL:
@@ -216,7 +216,7 @@ def _addc(fn):
 
 def _addc_tensor_meta(name):
     # PyTorch's meta of the .Tensor overload insists on a CPU ``scalars`` tensor, which
-    # the registry hands to meta kernels as a meta tensor: the .Scalar overload's
+    # the kernel executor hands to meta kernels as a meta tensor: the .Scalar overload's
     # meta gives the same outputs
     scalar_op = getattr(aten, f"_foreach_{name}").Scalar
     return lambda xs, t1, t2, scalars: scalar_op(xs, t1, t2)

@@ -19,8 +19,11 @@ import numpy as np
 import torch
 from jax import lax
 
-from .. import fallback, storage
-from ..registry import Kernel, Lowering, from_jax_array, impl, logical_value, lower
+from ..dispatch import fallback
+from ..dispatch.kernel import Kernel
+from ..dispatch.lowering import Lowering, impl, lower
+from ..runtime import storage
+from ..runtime.storage import from_jax_array, logical_value
 
 aten = torch.ops.aten
 _I64 = jnp.int64
@@ -329,7 +332,7 @@ def _index(self, indices):
     try:
         ind = _expand_masks(self, indices)
     except _Route:
-        return fallback._fallback(aten.index.Tensor, self, indices)
+        return fallback.run_on_cpu(aten.index.Tensor, self, indices)
     return _INDEX(self, ind)
 
 
@@ -338,7 +341,7 @@ def _index_put(self, indices, values, accumulate=False):
     try:
         ind = _expand_masks(self, indices)
     except _Route:
-        return fallback._fallback(aten.index_put.default, self, indices, values, accumulate)
+        return fallback.run_on_cpu(aten.index_put.default, self, indices, values, accumulate)
     return _INDEX_PUT(self, ind, values, accumulate)
 
 
@@ -347,7 +350,7 @@ def _index_put_(self, indices, values, accumulate=False):
     try:
         ind = _expand_masks(self, indices)
     except _Route:
-        return fallback._fallback(aten.index_put_.default, self, indices, values, accumulate)
+        return fallback.run_on_cpu(aten.index_put_.default, self, indices, values, accumulate)
     return _INDEX_PUT_(self, ind, values, accumulate)
 
 
@@ -356,7 +359,7 @@ def _index_put_impl_(self, indices, values, accumulate=False, unsafe=False):
     try:
         ind = _expand_masks(self, indices)
     except _Route:
-        return fallback._fallback(aten._index_put_impl_.default, self, indices, values, accumulate, unsafe)
+        return fallback.run_on_cpu(aten._index_put_impl_.default, self, indices, values, accumulate, unsafe)
     return _INDEX_PUT_IMPL_(self, ind, values, accumulate, unsafe)
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from ..registry import impl, lower
+from ..dispatch.lowering import impl, lower
 
 _LOW = (jnp.bfloat16, jnp.float16)
 

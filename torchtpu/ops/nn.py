@@ -22,8 +22,8 @@ import torch
 from jax import lax
 from jax.scipy.special import erf
 
-from .. import dtypes
-from ..registry import impl, lower
+from ..base import dtypes
+from ..dispatch.lowering import impl, lower
 from .linalg import einsum, matmul_precision
 
 aten = torch.ops.aten
@@ -44,7 +44,7 @@ def _fl(x):
 
 def _meta_filled(opname):
     """PyTorch's meta of ``opname`` with outputs it leaves undefined (a backward's
-    masked-out gradients) given as empty tensors: the registry's outputs are all
+    masked-out gradients) given as empty tensors: the kernel executor's outputs are all
     tensors. Autograd reads only the gradients it asked for."""
     pkt, _, ov = opname.partition(".")
     op = getattr(getattr(aten, pkt), ov or "default")

@@ -1,7 +1,7 @@
 """Random number ops.
 
-Each lowering is ``random=True``: the registry hands it a fresh JAX key per
-call, drawn from ``torchtpu.random`` (seed + counter), so ``torch.manual_seed``
+Each lowering is ``random=True``: the kernel executor hands it a fresh JAX key per
+call, drawn from ``torchtpu/base/rng.py`` (seed + counter), so ``torch.manual_seed``
 makes tpu randomness reproducible and an executable is never recompiled for a
 new key. The streams are JAX's (threefry), not ATen's: the same seed gives
 other numbers than on CPU, with the same distributions.
@@ -9,7 +9,7 @@ other numbers than on CPU, with the same distributions.
 Factories (``torch.randn(..., device="tpu")``, ``rand``, ``randint``, the
 ``*_like`` forms) are CompositeExplicitAutograd in PyTorch: they allocate with
 ``empty`` and fill with the in-place op below, so they need no kernel of their
-own. In-place forms are derived by the registry from the functional lowering
+own. In-place forms are derived by the installer from the functional lowering
 where PyTorch has one with the same overload name (``uniform_`` from
 ``uniform``); the others (``normal_``, ``bernoulli_.float``) fill a fresh value
 and copy it in (a buffer swap for a contiguous tensor).
@@ -24,11 +24,12 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from ..registry import impl, lower
+from ..dispatch.lowering import impl, lower
+from ..runtime.device import check_device
 
 aten = torch.ops.aten
 
-# the registry derives in-place kernels from the aten packets it can see: load them
+# the installer derives in-place kernels from the aten packets it can see: load them
 for _name in ("uniform_", "bernoulli_", "random_", "exponential_", "cauchy_", "geometric_", "log_normal_"):
     getattr(aten, _name)
 
@@ -219,8 +220,6 @@ def _randperm_meta(n, dtype=torch.int64, layout=None, device=None, pin_memory=No
 
 @lower("randperm", random=True, meta=_randperm_meta)
 def _randperm(n, dtype=torch.int64, layout=None, device=None, pin_memory=None, key=None):
-    from ..device import check_device
-
     check_device(device)
     return jax.random.permutation(key, n)
 

@@ -3,7 +3,7 @@ var/std, logsumexp, norms, all/any, count_nonzero, equal, cumsum/cumprod/cummax/
 cummin, logcumsumexp, median/nanmedian/kthvalue/mode, segment_reduce, bincount,
 histogram/histogramdd, hash_tensor, and the FFT primitives (_fft_r2c/c2c/c2r).
 
-Result dtypes and shapes come from PyTorch's meta kernels (the registry casts),
+Result dtypes and shapes come from PyTorch's meta kernels (the kernel executor casts),
 so these compute values; reduced-precision floats (bfloat16, float16) are
 accumulated in float32 as PyTorch's CPU kernels do.
 """
@@ -19,8 +19,10 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from .. import dtypes, storage
-from ..registry import impl, logical_value, lower
+from ..base import dtypes
+from ..dispatch.lowering import impl, lower
+from ..runtime import storage
+from ..runtime.storage import logical_value
 
 
 # ---------------------------------------------------------------- helpers

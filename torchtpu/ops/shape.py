@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .. import storage
-from ..device import check_device
-from ..registry import lower
+from ..dispatch.lowering import lower
+from ..runtime import layout
+from ..runtime.device import check_device
 from .reductions import stable_sort
 
 
@@ -203,13 +203,13 @@ def _tri_indices(row, col, offset, lower_):
 @lower("tril_indices", static=("row", "col", "offset"))
 def _tril_indices(row, col, offset=0, dtype=None, layout=None, device=None, pin_memory=None):
     check_device(device)
-    return jnp.asarray(_tri_indices(row, col, offset, True))  # the registry casts to the meta dtype
+    return jnp.asarray(_tri_indices(row, col, offset, True))  # the kernel executor casts to the meta dtype
 
 
 @lower("triu_indices", static=("row", "col", "offset"))
 def _triu_indices(row, col, offset=0, dtype=None, layout=None, device=None, pin_memory=None):
     check_device(device)
-    return jnp.asarray(_tri_indices(row, col, offset, False))  # the registry casts to the meta dtype
+    return jnp.asarray(_tri_indices(row, col, offset, False))  # the kernel executor casts to the meta dtype
 
 
 # ---------------------------------------------------------------- as_strided_scatter
@@ -217,7 +217,7 @@ def _triu_indices(row, col, offset=0, dtype=None, layout=None, device=None, pin_
 def _as_strided_scatter(x, src, size, stride, storage_offset=None):
     """``x`` (as a fresh contiguous storage) with ``src`` written at the strided window."""
     lay = (tuple(size), tuple(stride), 0 if storage_offset is None else storage_offset)
-    return storage.write(x.reshape(-1), lay, src).reshape(x.shape)
+    return layout.write(x.reshape(-1), lay, src).reshape(x.shape)
 
 
 # ---------------------------------------------------------------- slice / select scatter

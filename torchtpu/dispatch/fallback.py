@@ -13,7 +13,8 @@ import warnings
 import torch
 from torch.utils import _pytree as pytree
 
-from . import metrics
+from ..base import metrics
+from ..base.opnames import short_name
 
 _enabled = os.environ.get("TORCHTPU_CPU_FALLBACK", "1") not in ("0", "false", "False")
 _warned: set = set()
@@ -57,8 +58,11 @@ def _check_same_device(args, kwargs):
         )
 
 
-def _fallback(op, *args, **kwargs):
-    name = str(op._schema.name) + ("." + op._overloadname if op._overloadname != "default" else "")
+def run_on_cpu(op, *args, **kwargs):
+    """Run ``op`` on CPU copies of its tpu arguments; write mutated arguments back, move results to tpu.
+    The boxed fallback of every op without a tpu kernel, and what a kernel calls for inputs it cannot
+    handle on the device."""
+    name = short_name(op)
     _check_same_device(args, kwargs)
     if not _enabled:
         raise NotImplementedError(
@@ -75,8 +79,6 @@ def _fallback(op, *args, **kwargs):
         )
     metrics.record_fallback(name)
     cpu_args, cpu_kwargs = pytree.tree_map(_to_cpu, (args, kwargs))
-    if "device" in cpu_kwargs and cpu_kwargs["device"] is None:
-        pass
     out = op(*cpu_args, **cpu_kwargs)
 
     # write back into mutated tpu arguments
@@ -105,4 +107,4 @@ def _fallback(op, *args, **kwargs):
 
 
 def install() -> None:
-    _LIB.fallback(_fallback, "PrivateUse1")
+    _LIB.fallback(run_on_cpu, "PrivateUse1")

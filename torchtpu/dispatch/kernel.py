@@ -1,20 +1,15 @@
-"""The one op registry: aten op -> JAX implementation, and the per-op kernels.
+"""The kernel executor: one ``Kernel`` per installed aten op overload.
 
-A lowering is a function over jax arrays written for the *functional* form of
-an op (``aten::add.Tensor``). From it the registry builds one ``torch.library``
-kernel per op for the PrivateUse1 key, and derives the in-place (``add_``) and
-``out=`` (``add.out``) forms, so each op is written once.
-
-Each kernel call becomes one cached XLA executable keyed by (op, input layouts
-and dtypes, static arguments, python scalar types). Output shapes and dtypes
-are taken from PyTorch's own meta kernels on the first call of a key, so type
+Each call becomes one cached XLA executable keyed by (op, input layouts and
+dtypes, static arguments, python scalar types). Output shapes and dtypes are
+taken from PyTorch's own meta kernels on the first call of a key, so type
 promotion and shape errors are exactly PyTorch's, and the lowering's result is
-checked (shape) and cast (dtype) against them.
+checked (shape) and cast (dtype) against them. Under DeferAndFuse the
+executable is recorded (runtime/recorder.py) instead of run.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 
@@ -23,68 +18,16 @@ import jax.numpy as jnp
 import torch
 from torch.utils import _pytree as pytree
 
-from . import dtypes, lazy, metrics, runtime, storage
-from .random import next_key_data as _next_key_data
-from .storage import layout, new_tensor, storage_data
+from ..base import dtypes, metrics
+from ..base.opnames import short_name
+from ..base.rng import next_key_data as _next_key_data
+from ..runtime import layout as _layout
+from ..runtime.modes import deferring
+from ..runtime.recorder import RECORDER, LazyBuf, token_of
+from ..runtime.storage import new_tensor, storage_data
+from .lowering import Lowering
 
 aten = torch.ops.aten
-
-LOWERINGS: dict[str, "Lowering"] = {}
-_KERNELS: dict[str, "Kernel"] = {}
-_LIBS: dict = {}
-
-
-def _lib_for(op) -> torch.library.Library:
-    """The IMPL library of ``op``'s namespace (aten, fbgemm, a test's own, ...)."""
-    ns = op._schema.name.split("::")[0]
-    lib = _LIBS.get(ns)
-    if lib is None:
-        lib = _LIBS[ns] = torch.library.Library(ns, "IMPL")
-    return lib
-_registered: set[str] = set()
-
-
-class Lowering:
-    __slots__ = ("name", "fn", "static", "random", "allow_cpu", "meta")
-
-    def __init__(self, name, fn, static=(), random=False, allow_cpu=False, meta=None):
-        self.name = name
-        self.fn = fn
-        self.static = frozenset(static)
-        self.random = random
-        self.allow_cpu = allow_cpu
-        self.meta = meta
-
-
-def lower(*names, static=(), random=False, allow_cpu=False, meta=None):
-    """Register ``fn`` as the JAX lowering of the aten ops ``names``.
-
-    ``fn`` receives ALL the op's arguments positionally in schema order (keyword-only
-    ones too, so don't declare them with ``*``): tensors as jax arrays,
-    ``Scalar`` arguments as traced values (not recompiled per value) unless
-    named in ``static``, everything else as python values. ``random=True``
-    passes a ``key=`` jax PRNG key. Return a jax array (or a tuple/list).
-    """
-
-    def deco(fn):
-        for name in names:
-            qual = name if "::" in name else f"aten::{name}"
-            if "." not in qual.split("::")[1]:
-                qual += ".default"
-            if qual in LOWERINGS:
-                raise RuntimeError(f"torchtpu: two lowerings for {qual}")
-            LOWERINGS[qual] = Lowering(qual, fn, static, random, allow_cpu, meta)
-        return fn
-
-    return deco
-
-
-def op_from_name(qual):
-    ns, rest = qual.split("::")
-    name, overload = rest.split(".") if "." in rest else (rest, "default")
-    packet = getattr(getattr(torch.ops, ns), name)
-    return getattr(packet, overload)
-
 
 # ---------------------------------------------------------------- argument kinds
 _T, _OT, _TL, _OTL, _SCALAR, _STATIC, _SCALARS = range(7)
@@ -116,7 +59,7 @@ def _freeze(v):
     return v
 
 
-_MIXED_DEVICE = "Expected all tensors to be on the same device, but found at least two devices, {} and {}!"
+MIXED_DEVICE = "Expected all tensors to be on the same device, but found at least two devices, {} and {}!"
 
 
 def _is_meta_leaf(x):
@@ -138,7 +81,7 @@ class _Entry:
         self.treedef = (None if out_meta is None or self.single or self.flat
                         else pytree.tree_flatten(out_meta, is_leaf=_is_meta_leaf))
         self.out_numels = out_numels  # flat length of each output buffer (for pending buffers)
-        self.token = lazy.token_of(self)
+        self.token = token_of(self)
 
 
 class Kernel:
@@ -151,7 +94,7 @@ class Kernel:
     def __init__(self, op: torch._ops.OpOverload, lowering: Lowering, functional=None):
         self.op = op
         schema = op._schema
-        self.name = schema.name + ("." + schema.overload_name if schema.overload_name else "")
+        self.name = short_name(op)
         self.lowering = lowering
         self.functional = functional or op
         self.inplace = functional is not None
@@ -232,12 +175,12 @@ class Kernel:
             entry = self._build(key, vals, len(bufs))
             metrics.record_miss(self.name, key)
         else:
-            _METRICS_STATE["cache_hits"] += 1  # metrics.record_hit, inlined: every op passes here
-        if runtime.deferring():
-            outs = lazy.record(entry.fn, bufs, dyn, entry.out_numels, self.name, entry.token)
+            _record_hit()
+        if deferring():
+            outs = _record(entry.fn, bufs, dyn, entry.out_numels, self.name, entry.token)
         else:
-            if lazy._pending:  # pending work recorded in another context
-                bufs = [lazy.materialize(b, "materialize") if type(b) is lazy.LazyBuf else b for b in bufs]
+            if RECORDER.pending:  # pending work recorded in another context
+                bufs = [RECORDER.materialize(b, "materialize") if type(b) is LazyBuf else b for b in bufs]
             outs = entry.fn(*bufs, *dyn)
         return self._wrap(vals, outs, entry)
 
@@ -252,9 +195,9 @@ class Kernel:
             dt = t.dtype
             if sd.dtype is not dt:
                 sd.retype(dt)
-            buf = sd._buf
+            buf = sd.raw_buf
             bufs.append(buf)
-            return ((t.shape, t.stride(), t.storage_offset()), dt, buf.numel if type(buf) is _LAZYBUF else buf.size)
+            return ((t.shape, t.stride(), t.storage_offset()), dt, buf.numel if type(buf) is LazyBuf else buf.size)
         return self._other_key(t, bufs, dyn)
 
     def _other_key(self, t, bufs, dyn):
@@ -270,11 +213,11 @@ class Kernel:
             if self.lowering.allow_cpu:
                 arr = jnp.asarray(dtypes.cpu_tensor_to_numpy(t.contiguous()))
                 bufs.append(arr)
-                return ((tuple(t.shape), storage.contiguous_strides(tuple(t.shape)), 0), t.dtype, arr.size)
-            raise RuntimeError(_MIXED_DEVICE.format("tpu:0", t.device))
-        buf = storage_data(t)._buf
+                return ((tuple(t.shape), _layout.contiguous_strides(tuple(t.shape)), 0), t.dtype, arr.size)
+            raise RuntimeError(MIXED_DEVICE.format("tpu:0", t.device))
+        buf = storage_data(t).raw_buf
         bufs.append(buf)
-        n = buf.numel if type(buf) is lazy.LazyBuf else buf.size
+        n = buf.numel if type(buf) is LazyBuf else buf.size
         return ((t.shape, t.stride(), t.storage_offset()), t.dtype, n)
 
     # ---------------------------------------------------------------- building an executable
@@ -320,7 +263,7 @@ class Kernel:
             else:
                 numels = [math.prod(shape) for shape, _ in pytree.tree_leaves(out_meta, is_leaf=_is_meta_leaf)]
             entry = _Entry(jax.jit(flat), out_meta, numels)
-            if runtime.deferring():
+            if deferring():
                 # trace now, so a lowering error surfaces at the user's line, not at the flush
                 jax.eval_shape(entry.fn, *_avals_of(vals, key, self.kinds, self.lowering.random))
             self.cache[key] = entry
@@ -364,7 +307,7 @@ class Kernel:
             def read_tensor(k):
                 if k[0] in _NOBUF:
                     return jnp.asarray(next(di))
-                return storage.read(next(bi), k[0])
+                return _layout.read(next(bi), k[0])
 
             args = []
             for i, kind in enumerate(kinds):
@@ -530,7 +473,7 @@ def _write_mutated(name, key, kinds, mutated, bufs, flat_out):
                     f"output with shape {list(size)} doesn't match the broadcast shape "
                     f"{list(jnp.broadcast_shapes(value.shape, size))}"
                 )
-            new_bufs.append(storage.write(bufs[bidx], kk[0], value))
+            new_bufs.append(_layout.write(bufs[bidx], kk[0], value))
             pos += 1
     return new_bufs
 
@@ -554,8 +497,8 @@ def _buffer_index(key, kinds, arg_i, list_pos):
 
 
 _NOBUF = ("cpu0", "num")
-_LAZYBUF = lazy.LazyBuf
-_METRICS_STATE = metrics._state
+_record = RECORDER.record
+_record_hit = metrics.record_hit
 _META_DEVICE = torch.device("meta")
 
 
@@ -566,173 +509,4 @@ class _NoDefaultType:
 
 _NoDefault = _NoDefaultType()
 
-
-# ---------------------------------------------------------------- registration
-def _functional_of(op: torch._ops.OpOverload):
-    """``aten.add_.Tensor`` -> ``aten.add.Tensor`` (None if not an in-place op)."""
-    name = op._schema.name.split("::")[1]
-    if not name.endswith("_") or name.startswith("_") and name.endswith("__"):
-        return None
-    base = name[:-1]
-    overload = op._overloadname
-    packet = getattr(aten, base, None)
-    if packet is None:
-        return None
-    return getattr(packet, overload, None)
-
-
-def _register_kernel(op, lowering, functional=None):
-    qual = str(op._schema.name) + "." + (op._overloadname)
-    if qual in _registered:
-        return
-    k = Kernel(op, lowering, functional)
-    _KERNELS[qual] = k
-    _lib_for(op).impl(op, k.__call__, "PrivateUse1")
-    _registered.add(qual)
-
-
-def register_impl(name, fn):
-    """Register a hand-written python kernel (views, copies, host reads) for an op."""
-    qual = name if "::" in name else f"aten::{name}"
-    if "." not in qual.split("::")[1]:
-        qual += ".default"
-    if qual in _registered:
-        raise RuntimeError(f"torchtpu: two kernels for {qual}")
-    op = op_from_name(qual)
-    _lib_for(op).impl(op, fn, "PrivateUse1")
-    _registered.add(qual)
-    return fn
-
-
-def impl(*names):
-    def deco(fn):
-        for n in names:
-            register_impl(n, fn)
-        return fn
-
-    return deco
-
-
-def register_all():
-    """Register kernels for every lowering and its derived in-place and out= forms."""
-    for qual, lowering in list(LOWERINGS.items()):
-        op = op_from_name(qual)
-        _register_kernel(op, lowering)
-    # derive in-place forms; dir(aten) lists only the op packets loaded so far, so load
-    # every aten packet first (or ops like put_ would be missed)
-    for name in torch._C._dispatch_get_all_op_names():
-        if name.startswith("aten::"):
-            try:
-                getattr(aten, name[6:].split(".")[0])
-            except (AttributeError, RuntimeError):
-                pass
-    for name in dir(aten):
-        if not name.endswith("_") or name.startswith("__"):
-            continue
-        packet = getattr(aten, name)
-        for overload in packet.overloads():
-            op = getattr(packet, overload)
-            qual = f"aten::{name}.{overload}"
-            if qual in _registered or qual in LOWERINGS:
-                continue
-            fop = _functional_of(op)
-            if fop is None:
-                continue
-            fqual = f"{fop._schema.name}.{fop._overloadname}"
-            low = LOWERINGS.get(fqual)
-            if low is None:
-                continue
-            _register_kernel(op, low, functional=fop)
-    _register_out_variants()
-    # last: PyTorch decompositions for ops still without a kernel (never shadows the above)
-    from .ops.decomp import register_decompositions
-
-    register_decompositions()
-
-
-def _functional_of_out(op):
-    """``aten.add.out`` -> ``aten.add.Tensor``-style functional overload with the same inputs."""
-    name = op._schema.name.split("::")[1]
-    packet = getattr(aten, name)
-    out_names = {a.name for a in op._schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write}
-    want = [a.name for a in op._schema.arguments if a.name not in out_names]
-    for ov in packet.overloads():
-        cand = getattr(packet, ov)
-        if cand is op or any(a.alias_info is not None and a.alias_info.is_write for a in cand._schema.arguments):
-            continue
-        if [a.name for a in cand._schema.arguments] == want:
-            return cand, [a.name for a in op._schema.arguments if a.name in out_names]
-    return None, None
-
-
-def _make_out_kernel(op, fop, out_names):
-    schema_args = list(op._schema.arguments)
-    fnames = [a.name for a in fop._schema.arguments]
-    npos = sum(1 for a in fop._schema.arguments if not a.kwarg_only)
-    defaults = {a.name: a.default_value for a in schema_args if a.has_default_value()}
-
-    def out_kernel(*args, **kwargs):
-        bound = dict(zip([a.name for a in schema_args], args))
-        bound.update(kwargs)
-        fargs = [bound[n] if n in bound else defaults[n] for n in fnames]
-        # keyword-only arguments (sum.dim_IntList's dtype) must be passed by keyword
-        res = fop(*fargs[:npos], **dict(zip(fnames[npos:], fargs[npos:])))
-        res_flat = res if isinstance(res, (tuple, list)) else (res,)
-        outs = [bound[n] for n in out_names]
-        for o, r in zip(outs, res_flat):
-            if o.device.type != "tpu":
-                raise RuntimeError(_MIXED_DEVICE.format("tpu:0", o.device))
-            if tuple(o.shape) != tuple(r.shape):
-                storage.replace_storage(o, r.shape, None)
-            if o.dtype != r.dtype and not torch.can_cast(r.dtype, o.dtype):
-                raise RuntimeError(f"result type {r.dtype} can't be cast to the desired output type {o.dtype}")
-            o.copy_(r)
-        return outs[0] if len(outs) == 1 else tuple(outs)
-
-    return out_kernel
-
-
-def _register_out_variants():
-    for name in dir(aten):
-        if name.startswith("__"):
-            continue
-        packet = getattr(aten, name)
-        if not isinstance(packet, torch._ops.OpOverloadPacket):
-            continue
-        for ov in packet.overloads():
-            if not ov.endswith("out"):
-                continue
-            qual = f"aten::{name}.{ov}"
-            if qual in _registered:
-                continue
-            op = getattr(packet, ov)
-            fop, out_names = _functional_of_out(op)
-            if fop is None or f"{fop._schema.name}.{fop._overloadname}" not in _registered:
-                continue
-            _lib_for(op).impl(op, _make_out_kernel(op, fop, out_names), "PrivateUse1")
-            _registered.add(qual)
-
-
-def logical_value(t: torch.Tensor):
-    """The jax array holding the value of tpu tensor ``t`` (a copy only if ``t`` is a strided view)."""
-    sd = storage_data(t)
-    lay = layout(t)
-    buf = sd.buf
-    size, stride, offset = lay
-    if offset == 0 and buf.size == math.prod(size) and storage._is_contiguous(size, stride):
-        if tuple(buf.shape) == tuple(size):
-            return buf
-        return buf.reshape(size)
-    return _read_jit(lay)(buf)
-
-
-@functools.lru_cache(maxsize=4096)
-def _read_jit(lay):
-    return jax.jit(lambda b: storage.read(b, lay))
-
-
-def from_jax_array(arr, dtype=None) -> torch.Tensor:
-    arr = jnp.asarray(arr)
-    dt = dtypes.to_torch(arr.dtype) if dtype is None else dtype
-    return new_tensor(arr.shape, dt, arr)
 

@@ -22,6 +22,8 @@ import warnings
 import jax
 import torch
 
+from .frames import user_frame
+
 _lock = threading.Lock()
 _state = {
     "compiles": 0,
@@ -123,7 +125,7 @@ def get_recompile_warning_threshold():
 
 
 def _shapes_in(key):
-    """The torch.Size objects in a registry cache key, in order (its tensors' shapes)."""
+    """The torch.Size objects in a kernel cache key, in order (its tensors' shapes)."""
     out = []
     stack = [key]
     # depth-first, left to right
@@ -137,6 +139,7 @@ def _shapes_in(key):
 
 
 def record_hit():
+    """One call served by an executable already built (on every op's path: kept to one increment)."""
     _state["cache_hits"] += 1
 
 
@@ -211,8 +214,6 @@ def _warn_recompiles(op, n, threshold, log):
         "torchtpu.bucketing.set_recompile_warning_threshold(n) or "
         "TORCHTPU_RECOMPILE_WARNING_THRESHOLD changes the threshold."
     )
-    from .lazy import user_frame  # (lazy imports this module)
-
     frame = user_frame(sys._getframe(1))
     if frame is None:
         warnings.warn(msg, RecompileWarning, stacklevel=2)

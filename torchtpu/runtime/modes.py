@@ -1,8 +1,8 @@
 """Execution modes and synchronization.
 
 ``strict_eager``: every op runs when called, through an executable cached per
-(op, input layouts and dtypes, static arguments). ``defer_and_fuse`` is added
-by the DeferAndFuse runtime. Modes are chosen globally
+(op, input layouts and dtypes, static arguments). ``defer_and_fuse``: ops are
+recorded and fused (runtime/recorder.py). Modes are chosen globally
 (``set_execution_mode``, ``TORCHTPU_EXECUTION_MODE``) or locally
 (``with execution_mode(...)``).
 """
@@ -16,7 +16,8 @@ import threading
 import jax
 import torch
 
-from . import lazy, storage
+from . import storage
+from .recorder import RECORDER
 
 MODES = ("strict_eager", "defer_and_fuse")
 _state = threading.local()
@@ -61,7 +62,7 @@ def set_execution_mode(mode: str) -> None:
     """Select the execution mode for the whole process (pending work is flushed first)."""
     global _global_mode
     _check(mode)
-    lazy.flush("mode_switch")
+    RECORDER.flush("mode_switch")
     _global_mode = mode
 
 
@@ -69,29 +70,36 @@ def set_execution_mode(mode: str) -> None:
 def execution_mode(mode: str):
     """Run a block in ``mode``; the previous mode is restored after it."""
     _check(mode)
-    lazy.flush("mode_switch")
+    RECORDER.flush("mode_switch")
     prev = getattr(_state, "mode", None)
     _state.mode = mode
     _scoped.append(mode)
     try:
         yield
     finally:
-        lazy.flush("mode_switch")
+        RECORDER.flush("mode_switch")
         _state.mode = prev
         del _scoped[len(_scoped) - 1 - _scoped[::-1].index(mode)]  # this block's entry (the last equal one)
 
 
 def synchronize() -> None:
     """Run pending work and wait for every device buffer of live tensors to be computed."""
-    lazy.flush("sync")
-    lazy.wait_all()  # the fused graphs in flight (their errors name the recording lines)
-    bufs = [d._buf for d in list(storage.LIVE) if not lazy.is_lazy(d._buf)]
+    RECORDER.flush("sync")
+    RECORDER.wait_all()  # the fused graphs in flight (their errors name the recording lines)
+    bufs = storage.live_buffers()
     if bufs:
         try:
             jax.block_until_ready(bufs)
         except Exception as e:
-            lazy.explain(e)
+            RECORDER.explain(e)
             raise
+
+
+def sync() -> None:
+    """Start every pending (DeferAndFuse) tpu computation and return without waiting for it,
+    like ``torch_xla``'s ``mark_step`` or a CUDA launch: the next step's Python overlaps this
+    one's XLA run. Host reads (``.item()``, ``.cpu()``) and ``torch.tpu.synchronize()`` wait."""
+    RECORDER.flush("sync")
 
 
 def enable_persistent_cache(directory: str) -> None:

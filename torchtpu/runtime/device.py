@@ -23,8 +23,9 @@ import types
 import jax
 import torch
 
-from . import random as tpu_random
-from . import storage
+from ..base import rng
+from ..base.memory import MEMORY
+from .modes import synchronize as synchronize_all
 
 _INDEX_ERROR = (
     "torchtpu: device index {index} is not available: a process owns exactly one tpu device, "
@@ -85,8 +86,7 @@ class _Guard(torch._C._acc.DeviceGuard):
 # ---------------------------------------------------------------- memory figures
 def memory_stats_nested() -> dict:
     """Allocator statistics in the nested form torch's C++ allocators report."""
-    with storage.MEMORY.lock:
-        cur, peak, n = storage.MEMORY.allocated, storage.MEMORY.peak, storage.MEMORY.num_storages
+    cur, peak, n = MEMORY.snapshot()
     res_cur, res_peak = cur, peak
     try:  # TPU and GPU backends report what XLA's allocator holds; the CPU backend reports None
         s = jax_device().memory_stats()
@@ -113,17 +113,6 @@ def memory_info() -> tuple[int, int]:
     # XLA's CPU backend keeps buffers in host memory
     page = os.sysconf("SC_PAGE_SIZE")
     return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
-
-
-def reset_peak() -> None:
-    with storage.MEMORY.lock:
-        storage.MEMORY.peak = storage.MEMORY.allocated
-
-
-def synchronize_all() -> None:
-    from . import runtime
-
-    runtime.synchronize()
 
 
 def _make_module():
@@ -153,36 +142,37 @@ def _make_module():
         synchronize_all()
 
     def manual_seed(seed: int) -> None:
-        tpu_random.manual_seed(seed)
+        rng.manual_seed(seed)
 
     def manual_seed_all(seed: int) -> None:
-        tpu_random.manual_seed(seed)
+        rng.manual_seed(seed)
 
     def seed() -> None:
-        tpu_random.manual_seed(torch.initial_seed())
+        rng.manual_seed(torch.initial_seed())
 
     def seed_all() -> None:
         seed()
 
     def initial_seed() -> int:
-        return tpu_random.initial_seed()
+        return rng.initial_seed()
 
     def get_rng_state(device="tpu"):
+        """(seed, counter) as an int64 tensor; the 64-bit seed's bits are kept (two's complement)."""
         _tpu_index(device)
-        s, c = tpu_random.get_state()
-        return torch.tensor([s & 0x7FFFFFFFFFFFFFFF, c], dtype=torch.int64)
+        s, c = rng.get_state()
+        return torch.tensor([s - (1 << 64) if s >= 1 << 63 else s, c], dtype=torch.int64)
 
     def set_rng_state(new_state, device="tpu"):
         _tpu_index(device)
-        tpu_random.set_state((int(new_state[0]), int(new_state[1])))
+        rng.set_state((int(new_state[0]) & 0xFFFFFFFFFFFFFFFF, int(new_state[1])))
 
     def memory_allocated(device=None) -> int:
         _tpu_index(device)
-        return storage.MEMORY.allocated
+        return MEMORY.allocated
 
     def max_memory_allocated(device=None) -> int:
         _tpu_index(device)
-        return storage.MEMORY.peak
+        return MEMORY.peak
 
     def memory_reserved(device=None) -> int:
         _tpu_index(device)
@@ -194,7 +184,7 @@ def _make_module():
 
     def reset_peak_memory_stats(device=None) -> None:
         _tpu_index(device)
-        reset_peak()
+        MEMORY.reset_peak()
 
     def memory_stats(device=None) -> dict:
         _tpu_index(device)
@@ -204,7 +194,7 @@ def _make_module():
             "allocated_bytes.all.peak": nested["allocated_bytes"]["all"]["peak"],
             "reserved_bytes.all.current": nested["reserved_bytes"]["all"]["current"],
             "reserved_bytes.all.peak": nested["reserved_bytes"]["all"]["peak"],
-            "num_storages": storage.MEMORY.num_storages,
+            "num_storages": MEMORY.num_storages,
         }
         return collections.OrderedDict(sorted(out.items()))
 
@@ -298,7 +288,7 @@ def _install_accelerator() -> None:
 
     def reset_peak_stats(i=-1):
         index(i)
-        reset_peak()
+        MEMORY.reset_peak()
 
     def reset_accumulated(i=-1):
         index(i)
@@ -435,4 +425,4 @@ def register() -> None:
     _install_module_conversion()
     _registered = True
     seed = os.environ.get("TORCHTPU_SEED")
-    tpu_random.manual_seed(int(seed) if seed else torch.initial_seed())
+    rng.manual_seed(int(seed) if seed else torch.initial_seed())

@@ -53,10 +53,6 @@ def to_torch(jdtype) -> torch.dtype:
         raise TypeError(f"torchtpu: jax dtype {jdtype} has no torch equivalent") from None
 
 
-def is_supported(dtype: torch.dtype) -> bool:
-    return dtype in _TORCH_TO_JAX
-
-
 def cpu_tensor_to_numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy array with the exact jax dtype of ``t`` (no copy when possible)."""
     to_jax(t.dtype)  # a clear error naming an unsupported dtype (complex32, ...), not numpy's
@@ -72,6 +68,8 @@ def cpu_tensor_to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def numpy_to_torch(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of ``dtype`` holding a copy of ``arr`` (or ``arr``'s memory when it is writable
+    and contiguous)."""
     via = _BITCAST_VIA.get(dtype)
     if via is not None:
         arr = np.ascontiguousarray(arr).reshape(arr.shape).view(via[1])  # ascontiguousarray makes 0-d 1-d
@@ -82,6 +80,15 @@ def numpy_to_torch(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     if out.dtype != dtype:
         out = out.to(dtype)
     return out
+
+
+def numpy_view_as_torch(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor over ``arr``'s own memory, no copy (bfloat16/float8 through a same-width int view);
+    ``arr`` must already hold ``dtype``'s elements."""
+    via = _BITCAST_VIA.get(dtype)
+    if via is not None:
+        return torch.from_numpy(arr.view(via[1])).view(dtype)
+    return torch.from_numpy(arr)
 
 
 assert ml_dtypes  # jax's bfloat16 numpy type comes from ml_dtypes

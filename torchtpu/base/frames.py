@@ -1,0 +1,42 @@
+"""Which stack frame is the user's: errors, warnings and DeferAndFuse's recording sites name the
+line of model or user code that caused them, not a line inside torch, JAX or torchtpu."""
+
+from __future__ import annotations
+
+import sys
+
+_internal_code: dict = {}  # code object -> is it runtime code (decided once per code object)
+
+
+def _is_internal(filename: str) -> bool:
+    """Runtime code (torch, jax, torchtpu), as opposed to model and user code."""
+    return "/torch/" in filename or "/torchtpu/" in filename or "/jax/" in filename or "/jaxlib/" in filename
+
+
+def user_frame(f):
+    """The first frame from ``f`` outward that is not runtime code, or None."""
+    internal = _internal_code
+    while f is not None:
+        c = f.f_code
+        inside = internal.get(c)
+        if inside is None:
+            inside = _is_internal(c.co_filename)
+            if len(internal) < 65536:
+                internal[c] = inside
+        if not inside:
+            return f
+        f = f.f_back
+    return None
+
+
+def user_site(depth: int = 1):
+    """(file, line, function) of the nearest user line, searched from ``depth`` frames above the
+    caller of ``user_site`` outward.
+
+    Only (file, line, name) is kept, never the frame: a frame would keep its locals (tensors)
+    alive for as long as the site is held."""
+    f = user_frame(sys._getframe(depth + 1))
+    if f is None:
+        return None
+    c = f.f_code
+    return (c.co_filename, f.f_lineno, c.co_name)

@@ -1,0 +1,279 @@
+"""The FX-node lowering table of compiled graphs: how each ``call_function`` node of an
+AOTAutograd graph is computed inside the graph's one ``jax.jit``.
+
+Most aten ops run their eager lowering (``dispatch.lowering.LOWERINGS``), so every op has one
+source of truth. View ops, metadata-only kernels in eager mode, are plain value ops in a
+functional graph and are written here (``FUNCTIONAL``), with the factories (shape and dtype
+from the node's FakeTensor), SDPA's overrideable overloads, integer advanced indexing and the
+symbolic-size ops (``SYM_OPS``).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import jax.numpy as jnp
+import torch
+
+from ..base import dtypes
+from ..base.opnames import qualified_name
+from ..dispatch.lowering import LOWERINGS
+from ..runtime import layout
+
+aten = torch.ops.aten
+
+
+def norm_dim(d, n):
+    return d + n if d < 0 else d
+
+
+def _slice(x, dim=0, start=None, end=None, step=1):
+    dim = norm_dim(dim, x.ndim)
+    return x[(slice(None),) * dim + (slice(start, end, step),)]
+
+
+def _select(x, dim, index):
+    dim = norm_dim(dim, x.ndim)
+    return x[(slice(None),) * dim + (index,)]
+
+
+def _squeeze(x, dims=None):
+    if dims is None:
+        dims = range(x.ndim)
+    elif isinstance(dims, int):
+        dims = [dims]
+    keep = tuple(norm_dim(d, max(x.ndim, 1)) for d in dims)
+    axes = tuple(d for d in keep if d < x.ndim and x.shape[d] == 1)
+    return jnp.squeeze(x, axes) if axes else x
+
+
+def _expand(x, size, implicit=False):
+    n = len(size)
+    shape = list(size)
+    lead = n - x.ndim
+    for i in range(n):
+        if shape[i] == -1:
+            shape[i] = x.shape[i - lead]
+    return jnp.broadcast_to(x, tuple(shape))
+
+
+def _split_sizes(x, sizes, dim=0):
+    dim = norm_dim(dim, x.ndim)
+    idx, acc = [], 0
+    for n in sizes[:-1]:
+        acc += int(n)
+        idx.append(acc)
+    return list(jnp.split(x, idx, axis=dim))
+
+
+def _split(x, split_size, dim=0):
+    dim = norm_dim(dim, x.ndim)
+    n = x.shape[dim]
+    sizes = [min(split_size, n - i) for i in range(0, n, split_size)] if n else [0]
+    return _split_sizes(x, sizes, dim)
+
+
+def _unbind(x, dim=0):
+    dim = norm_dim(dim, x.ndim)
+    return [_select(x, dim, i) for i in range(x.shape[dim])]
+
+
+def _as_strided(x, size, stride, storage_offset=None):
+    # in a functional graph the base is the (contiguous) value of the input
+    return layout.read(x.reshape(-1), (tuple(size), tuple(stride), storage_offset or 0))
+
+
+def _t(x):
+    return x if x.ndim < 2 else jnp.swapaxes(x, 0, 1)
+
+
+def _full(out, fill):
+    shape, dt = out()
+    return jnp.full(shape, fill, dt)
+
+
+# op -> fn(out, *bound_args) computing the node's value, where ``out()`` gives the (shape, jax dtype)
+# of the node's result (factories read it). Views are copies here: the graph is functional.
+FUNCTIONAL = {
+    aten.view.default: lambda out, x, size: x.reshape(tuple(size)),
+    aten._unsafe_view.default: lambda out, x, size: x.reshape(tuple(size)),
+    aten.reshape.default: lambda out, x, size: x.reshape(tuple(size)),
+    aten.view_copy.default: lambda out, x, size: x.reshape(tuple(size)),
+    aten._reshape_alias.default: lambda out, x, size, stride: x.reshape(tuple(size)),
+    aten.t.default: lambda out, x: _t(x),
+    aten.transpose.int: lambda out, x, a, b: jnp.swapaxes(x, a, b),
+    aten.permute.default: lambda out, x, dims: jnp.transpose(x, [norm_dim(d, x.ndim) for d in dims]),
+    aten.expand.default: lambda out, x, size, implicit=False: _expand(x, size),
+    aten.expand_copy.default: lambda out, x, size, implicit=False: _expand(x, size),
+    aten.slice.Tensor: lambda out, x, dim=0, start=None, end=None, step=1: _slice(x, dim, start, end, step),
+    aten.select.int: lambda out, x, dim, index: _select(x, dim, index),
+    aten.squeeze.default: lambda out, x: _squeeze(x),
+    aten.squeeze.dim: lambda out, x, dim: _squeeze(x, dim),
+    aten.squeeze.dims: lambda out, x, dims: _squeeze(x, dims),
+    aten.unsqueeze.default: lambda out, x, dim: jnp.expand_dims(x, dim),
+    aten.as_strided.default: lambda out, x, size, stride, off=None: _as_strided(x, size, stride, off),
+    aten.alias.default: lambda out, x: x,
+    aten.detach.default: lambda out, x: x,
+    aten.lift_fresh.default: lambda out, x: x,
+    aten.split.Tensor: lambda out, x, s, dim=0: _split(x, s, dim),
+    aten.split_with_sizes.default: lambda out, x, s, dim=0: _split_sizes(x, s, dim),
+    aten.unbind.int: lambda out, x, dim=0: _unbind(x, dim),
+    aten.diagonal.default: lambda out, x, off=0, d1=0, d2=1: jnp.diagonal(
+        x, off, norm_dim(d1, x.ndim), norm_dim(d2, x.ndim)
+    ),
+    # factories: shape and dtype come from the node's FakeTensor
+    aten.full.default: lambda out, size, fill, *rest: _full(out, fill),
+    aten.zeros.default: lambda out, size, *rest: _full(out, 0),
+    aten.ones.default: lambda out, size, *rest: _full(out, 1),
+    aten.empty.memory_format: lambda out, size, *rest: _full(out, 0),
+    aten.empty_strided.default: lambda out, size, stride, *rest: _full(out, 0),
+    aten.full_like.default: lambda out, x, fill, *rest: _full(out, fill),
+    aten.zeros_like.default: lambda out, x, *rest: _full(out, 0),
+    aten.ones_like.default: lambda out, x, *rest: _full(out, 1),
+    aten.empty_like.default: lambda out, x, *rest: _full(out, 0),
+    aten.new_zeros.default: lambda out, x, size, *rest: _full(out, 0),
+    aten.new_ones.default: lambda out, x, size, *rest: _full(out, 1),
+    aten.new_empty.default: lambda out, x, size, *rest: _full(out, 0),
+    aten.new_full.default: lambda out, x, size, fill, *rest: _full(out, fill),
+    aten.new_empty_strided.default: lambda out, x, size, stride, *rest: _full(out, 0),
+}
+
+
+def _eye(out, *rest):
+    shape, dt = out()
+    return jnp.eye(shape[0], shape[1], dtype=dt)
+
+
+FUNCTIONAL[aten.eye.default] = _eye
+FUNCTIONAL[aten.eye.m] = _eye
+
+
+# random factories: the same distributions as the eager uniform_/normal_ lowerings, with
+# a fresh key per call (a graph input), shape and dtype from the node's FakeTensor
+def _rand_factory(lowering, *params):
+    def fn(out, *args, key=None):
+        shape, dt = out()
+        return LOWERINGS[lowering].fn(jnp.zeros(shape, dt), *params, None, key=key)
+
+    return fn
+
+
+_RANDOM_FACTORIES = {
+    aten.rand_like.default: _rand_factory("aten::uniform.default", 0.0, 1.0),
+    aten.rand.default: _rand_factory("aten::uniform.default", 0.0, 1.0),
+    aten.randn_like.default: _rand_factory("aten::normal_functional.default", 0.0, 1.0),
+    aten.randn.default: _rand_factory("aten::normal_functional.default", 0.0, 1.0),
+}
+FUNCTIONAL.update(_RANDOM_FACTORIES)
+
+
+# SDPA on tpu routes to the overload PyTorch reserves for out-of-tree backends; in a graph it
+# runs the same torchtpu::sdpa_* lowerings as the eager kernels in ops/nn.py
+def _sdpa_fwd(result_type, q, k, v, bias=None, dropout_p=0.0, is_causal=False, debug=False, scale=None, key=None):
+    if dropout_p > 0:
+        out, lse, seed = LOWERINGS["torchtpu::sdpa_fwd_dropout.default"].fn(
+            q, k, v, bias, dropout_p, is_causal, scale, key=key)
+    else:
+        out, lse, seed = LOWERINGS["torchtpu::sdpa_fwd.default"].fn(q, k, v, bias, is_causal, scale)
+    if lse.ndim == 2:  # 3-D (H, L, E) input: PyTorch's lse is (1, H, L)
+        lse = lse[None]
+    return out, lse, None, None, q.shape[-2], k.shape[-2], seed, jnp.zeros((), jnp.int64), None
+
+
+def _sdpa_bwd(result_type, grad_out, q, k, v, bias, mask, out, lse, cq, ck, mq, mk, dropout_p, is_causal, seed, offset,
+              scale=None):
+    if q.ndim == 3:
+        lse = lse[0]
+    gq, gk, gv, gb = LOWERINGS["torchtpu::sdpa_bwd.default"].fn(
+        grad_out, q, k, v, bias, lse, seed, dropout_p, is_causal, scale, list(mask))
+    gb = None if bias is None or gb.size == 0 else gb
+    return tuple(g if m else None for g, m in zip((gq, gk, gv, gb), mask))
+
+
+# advanced indexing (eager: hand-written kernels); integer indices only, as numpy's rules are torch's
+def _index_tuple(indices):
+    return tuple(slice(None) if i is None else i for i in indices)
+
+
+FUNCTIONAL[aten.index.Tensor] = lambda out, x, indices: x[_index_tuple(indices)]
+FUNCTIONAL[aten.index_put.default] = lambda out, x, indices, values, accumulate=False: (
+    x.at[_index_tuple(indices)].add(values) if accumulate else x.at[_index_tuple(indices)].set(values)
+)
+_INT_INDEX_ONLY = (aten.index.Tensor, aten.index_put.default)
+
+
+def _int_indices(node) -> bool:
+    idx = node.args[1] if len(node.args) > 1 else node.kwargs.get("indices", ())
+    for i in idx:
+        v = i.meta.get("val") if isinstance(i, torch.fx.Node) else i
+        if isinstance(v, torch.Tensor) and (v.dtype == torch.bool or v.dtype == torch.uint8):
+            return False  # a mask's result shape depends on values: eager
+    return True
+
+
+# prims that the decompositions emit
+FUNCTIONAL[torch.ops.prims.convert_element_type.default] = lambda out, x, dtype: jnp.asarray(x).astype(dtypes.to_jax(dtype))
+
+
+SDPA = aten._scaled_dot_product_fused_attention_overrideable.default
+FUNCTIONAL[SDPA] = _sdpa_fwd
+FUNCTIONAL[aten._scaled_dot_product_fused_attention_overrideable_backward.default] = _sdpa_bwd
+
+
+def is_random(node) -> bool:
+    t = node.target
+    if t is SDPA:
+        return bind_args(t, node.args, node.kwargs)[4] > 0
+    if t in _RANDOM_FACTORIES:
+        return True
+    return node_kind(node) == "lower" and LOWERINGS[qualified_name(t)].random
+
+
+def bind_args(op, args, kwargs):
+    """All arguments of ``op`` in schema order (defaults filled in), as the kernel executor does."""
+    out = list(args)
+    for a in op._schema.arguments[len(args):]:
+        if a.name in kwargs:
+            out.append(kwargs[a.name])
+        elif a.has_default_value():
+            out.append(a.default_value)
+        elif a.kwarg_only and a.type.kind() == "OptionalType":
+            out.append(None)
+        else:
+            raise TypeError(f"{qualified_name(op)}: missing argument {a.name!r}")
+    return out
+
+
+def node_kind(node):
+    """How a call_function node is executed: 'lower', 'view', 'getitem', 'py', or None (unsupported)."""
+    t = node.target
+    if t is operator.getitem:
+        return "getitem"
+    if t is aten.copy_.default:
+        # an input mutation AOTAutograd left in the graph (keep_inference_input_mutations)
+        return "copy" if node.args[0].op == "placeholder" else None
+    if t in SYM_OPS:
+        return "sym"
+    if isinstance(t, torch._ops.OpOverload):
+        if t in FUNCTIONAL:
+            if t in _INT_INDEX_ONLY and not _int_indices(node):
+                return None
+            return "view"
+        if qualified_name(t) in LOWERINGS:
+            return "lower"
+        return None
+    if t in (operator.add, operator.sub, operator.mul, operator.floordiv, operator.neg, operator.truediv,
+             operator.mod, operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
+             torch.sym_max, torch.sym_min, torch.sym_sum):
+        return "py"  # symbolic-size arithmetic
+    return None
+
+
+
+SYM_OPS = {
+    aten.sym_size.int: lambda x, d: x.shape[d],
+    aten.sym_numel.default: lambda x: x.size,
+    aten.sym_stride.int: lambda x, d: layout.contiguous_strides(x.shape)[d],
+    aten.sym_storage_offset.default: lambda x: 0,
+}
+

@@ -1,0 +1,445 @@
+"""DeferAndFuse: ops are recorded as pending nodes and fused into one XLA
+computation when a value is needed.
+
+Each kernel call (dispatch/kernel.py) under this mode appends a ``Node`` (the
+op's already-built executable plus its inputs) and hands back tensors whose
+buffers are ``LazyBuf``s with known shape and dtype. A flush traces every
+pending node into one function whose outputs are only the buffers that live
+tensors still hold — dead intermediates are never materialized — and runs it
+through a jit cached by graph structure, so a steady loop compiles once.
+
+All of that state lives on one :class:`Recorder` (``RECORDER``). Its surface:
+``record`` (the kernel path), ``adopt`` (a storage was handed a pending
+buffer), ``flush(reason)``, ``materialize(buf, reason)``, ``wait_all``,
+``explain``; ``pending`` and ``in_flight`` are read-only views; the counters
+are in ``torchtpu.metrics``.
+
+Flush triggers, each calling ``flush(reason)`` from its own place:
+``host_read`` (runtime/storage.py: .item(), .cpu(), .tolist(), printing,
+bool(t)), ``sync`` (torchtpu.sync, runtime/modes.synchronize), ``mode_switch``
+(runtime/modes), ``loop`` and ``size_cap`` (here, in ``record``), ``backward``
+(the end of a backward pass that recorded ops), ``materialize`` (a concrete
+buffer was needed by code outside the op path: storage.StorageData.buf),
+``collective`` (the distributed backend), ``bucket_scope`` (bucketing),
+``compiled graph`` (a compiled graph reads pending buffers).
+
+Flushes are asynchronous: ``flush`` dispatches the fused executable and
+returns (JAX dispatch does not wait), so the next step's recording overlaps
+this step's XLA run, as with CUDA kernel launches. At most ``max_in_flight``
+flushes run ahead of Python; a host read or ``synchronize`` waits. An error
+XLA raises while running a fused graph (at dispatch, or later when its results
+are waited for) names the user lines that recorded the graph's ops.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random as _random
+import sys
+import threading
+import warnings
+import weakref
+
+import jax
+
+from ..base import metrics
+from ..base.frames import user_site
+from ..base.memory import MEMORY
+
+_weakref = weakref.ref
+
+
+class LazyBuf:
+    """A pending flat buffer: output ``index`` of ``node`` (``value`` once computed)."""
+
+    __slots__ = ("node", "index", "numel", "value", "__weakref__")
+
+    def __init__(self, node, index, numel):
+        self.node = node
+        self.index = index
+        self.numel = numel
+        self.value = None
+
+
+def is_lazy(b) -> bool:
+    return type(b) is LazyBuf
+
+
+class Node:
+    """A recorded op: ``spec`` is (fn, inputs as pending (node, output) pairs or external slots)."""
+
+    __slots__ = ("spec", "pos", "name", "site")
+
+    def __init__(self, spec, pos, name, site):
+        self.spec = spec
+        self.pos = pos
+        self.name = name
+        self.site = site
+
+
+_LOST = ("torchtpu DeferAndFuse: this tensor's value was never computed: the fused graph that was to "
+         "compute it failed (that error named the lines that recorded it). Compute it again from its inputs.")
+
+# repeating-sequence detection over op tokens: prefix hashes mod a Mersenne prime
+_P = (1 << 61) - 1
+_B = 1_000_003
+_tokens: dict = {}
+
+
+def token_of(entry) -> int:
+    """A random 60-bit token naming one executable in the loop detector's hashes."""
+    t = _tokens.get(id(entry))
+    if t is None:
+        t = _random.getrandbits(60) + 1
+        _tokens[id(entry)] = t
+    return t
+
+
+def _env_flag(name: str, default: str) -> bool:
+    return os.environ.get(name, default) not in ("0", "false", "False", "")
+
+
+class Recorder:
+    """The DeferAndFuse state of this process: the pending graph, its loop detector, the fused
+    graphs in flight and the cache of compiled fused graphs.
+
+    Settings (attributes, read when used): ``max_pending`` (``TORCHTPU_MAX_PENDING_OPS``, a
+    size cap), ``min_loop_period`` (``TORCHTPU_MIN_LOOP_PERIOD``, the shortest op sequence taken
+    as a loop body), ``max_in_flight`` (``TORCHTPU_MAX_IN_FLIGHT``, dispatched graphs not yet
+    waited for), ``flush_after_backward`` (``TORCHTPU_FLUSH_AFTER_BACKWARD``)."""
+
+    __slots__ = ("lock", "pending", "_ext", "_ext_slot", "_owners", "_graph_cache", "_inflight", "_prefix",
+                 "_pow", "_last_pos", "_period", "_bw_task", "max_pending", "min_loop_period", "max_in_flight",
+                 "flush_after_backward")
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.pending: list[Node] = []
+        self._ext: list = []  # concrete inputs of the pending graph, in slot order
+        # id(buffer) -> its slot: a tensor buffer read by several ops is ONE input (fewer arguments,
+        # and an old parameter read by the forward and the optimizer can still be donated)
+        self._ext_slot: dict = {}
+        self._owners: list = []  # weakrefs to storages that were handed a LazyBuf
+        self._graph_cache: dict = {}
+        # fused graphs dispatched but not yet waited for: (weakrefs to their results, their nodes). The
+        # bound keeps Python from queueing unbounded work (and memory) ahead of XLA; 2 lets step N+1
+        # record while step N runs.
+        self._inflight: collections.deque = collections.deque()
+        self._prefix = [0]
+        self._pow = [1]
+        self._last_pos: dict = {}
+        self._period = None  # (length, hash) of the detected loop body
+        self._bw_task = -2  # the graph task whose end already has a flush queued
+        self.max_pending = int(os.environ.get("TORCHTPU_MAX_PENDING_OPS", "4096"))
+        self.min_loop_period = int(os.environ.get("TORCHTPU_MIN_LOOP_PERIOD", "32"))
+        self.max_in_flight = max(1, int(os.environ.get("TORCHTPU_MAX_IN_FLIGHT", "2")))
+        # Flush when a backward pass that recorded ops ends: XLA runs forward+backward while Python
+        # records the optimizer. Off by default: on the transformer step it did not lower CPU time and
+        # raised the peak slightly (benchmarks/README.md, bench_defer.py).
+        self.flush_after_backward = _env_flag("TORCHTPU_FLUSH_AFTER_BACKWARD", "0")
+
+    # ------------------------------------------------------------ read-only views
+    @property
+    def in_flight(self) -> int:
+        """Fused graphs dispatched and not yet waited for."""
+        return len(self._inflight)
+
+    def graph_cache_entries(self) -> list:
+        """``(key, compiled executable)`` of every cached fused graph (for tools and benchmarks)."""
+        return [(k, v[0]) for k, v in self._graph_cache.items()]
+
+    # ------------------------------------------------------------ recording
+    def record(self, fn, bufs, dyn, out_numels, name, token):
+        """Append a node; returns its pending output buffers.
+
+        ``bufs`` are tensor buffers (one input slot per distinct array, so an array read
+        twice is one argument); ``dyn`` are scalars, always their own slot: equal python
+        scalars share a cached array, and which ones happen to be equal must not
+        change the graph's structure from step to step."""
+        site = user_site(1)
+        if self.flush_after_backward:
+            self._note_backward()
+        with self.lock:
+            ins = []
+            add = ins.append
+            ext = self._ext
+            slots = self._ext_slot
+            for x in bufs:
+                if type(x) is LazyBuf:
+                    if x.value is None:
+                        pos = x.node.pos
+                        if pos < 0:
+                            raise RuntimeError(_LOST)
+                        add((pos, x.index))
+                        continue
+                    x = x.value
+                slot = slots.get(id(x))
+                if slot is None:
+                    slot = slots[id(x)] = len(ext)  # _ext keeps x alive, so its id stays its own
+                    ext.append(x)
+                add(slot)
+            for x in dyn:
+                add(len(ext))
+                ext.append(x)
+            pending = self.pending
+            n = len(pending)
+            node = Node((fn, tuple(ins)), n, name, site)
+            pending.append(node)
+            n += 1
+            prefix = self._prefix
+            prefix.append((prefix[-1] * _B + token) % _P)
+            if len(self._pow) <= n:
+                self._pow.append(self._pow[-1] * _B % _P)
+            outs = [LazyBuf(node, i, m) for i, m in enumerate(out_numels)]
+            reason = self._flush_reason(n, token)
+        if reason is not None:
+            self.flush(reason, keep=outs)
+        return outs
+
+    def adopt(self, sd) -> None:
+        """Storage ``sd`` now holds a pending buffer: a flush computes it if ``sd`` is still alive."""
+        self._owners.append(_weakref(sd))
+
+    def _note_backward(self):
+        """Inside a backward pass (the autograd engine's thread), queue one flush for its end."""
+        import torch  # only the optional backward trigger needs torch here
+
+        gt = torch._C._current_graph_task_id()
+        if gt != -1 and gt != self._bw_task:
+            self._bw_task = gt
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.flush("backward"))
+
+    def _hash(self, i, j):
+        """Hash of tokens [i, j) from the prefix table."""
+        return (self._prefix[j] - self._prefix[i] * self._pow[j - i]) % _P
+
+    def _flush_reason(self, n, token):
+        period = self._period
+        if period is not None and n == period[0]:
+            if self._hash(0, n) == period[1]:
+                return "loop"
+            self._period = None  # the loop changed shape
+        prev = self._last_pos.get(token)
+        self._last_pos[token] = n
+        if prev is not None:
+            p = n - prev
+            if p < self.min_loop_period:  # a short cycle: take the multiple of it that is long enough
+                p *= -(-self.min_loop_period // p)
+            if n >= 2 * p and self._hash(n - p, n) == self._hash(n - 2 * p, n - p):
+                self._period = (p, self._hash(n - p, n))
+                return "loop"
+        if n >= self.max_pending:
+            return "size_cap"
+        return None
+
+    # ------------------------------------------------------------ flushing
+    def materialize(self, buf: LazyBuf, reason: str):
+        """The concrete value of pending buffer ``buf`` (flushing the pending graph if needed)."""
+        if buf.value is None:
+            if buf.node.pos < 0:
+                raise RuntimeError(_LOST)
+            self.flush(reason, keep=[buf])
+        return buf.value
+
+    def flush(self, reason: str, keep=()) -> None:
+        """Run every pending node as one fused computation.
+
+        Outputs are the pending buffers still held by a live storage, plus ``keep``.
+        """
+        with self.lock:
+            if not self.pending:
+                return
+            nodes, owners, ext = self.pending, self._owners, self._ext
+            self.pending, self._owners, self._ext = [], [], []
+            self._ext_slot.clear()
+            self._prefix[:] = [0]
+            self._last_pos.clear()
+            metrics.record_flush(reason)
+            live_sds = []
+            seen_sd = set()
+            for r in owners:
+                sd = r()
+                if sd is not None and id(sd) not in seen_sd and type(sd.raw_buf) is LazyBuf:
+                    seen_sd.add(id(sd))
+                    live_sds.append(sd)
+            live = []
+            seen = set()
+            for b in [sd.raw_buf for sd in live_sds] + list(keep):
+                # (a buffer of a failed earlier graph, pos -1, is not this graph's: it raises on use)
+                if b.value is None and id(b) not in seen and b.node.pos >= 0:
+                    seen.add(id(b))
+                    live.append(b)
+            spec = tuple(n.spec for n in nodes)
+            outs = tuple((b.node.pos, b.index) for b in live)
+            donate = _donatable(ext)
+            # the buffers' own shapes and types too: an executable takes exactly the avals it was built
+            # for (a python number and the cached device scalar of one are the same abstract value)
+            avals = tuple([(a.shape, a.dtype, a.weak_type) if type(a) is _ARRAY
+                           else _PY_AVALS.get(type(a)) or (type(a), getattr(a, "shape", None),
+                                                           getattr(a, "dtype", None))
+                           for a in ext])
+            key = (spec, outs, donate, avals)
+            try:
+                hit = self._graph_cache.get(key)
+                if hit is None:
+                    with warnings.catch_warnings():
+                        # XLA may decline a donation (e.g. no output of that shape): harmless
+                        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                        jitted = jax.jit(_make_graph_fn(spec, outs, nodes), donate_argnums=donate)
+                        compiled = jitted.lower(*ext).compile()
+                    hit = (compiled, _transient_bytes(compiled))
+                    self._graph_cache[key] = hit
+                    site = next((n.site for n in nodes if n.site is not None), None)
+                    where = f"{site[0]}:{site[1]}" if site else "unknown"
+                    metrics.record_miss(f"fused graph from {where}")
+                fused, transient = hit
+                # the device also holds this graph's temporaries and outputs while it runs
+                MEMORY.note_transient(transient)
+                results = fused(*ext)  # returns once dispatched: XLA runs it while Python goes on
+                del ext
+            except Exception as e:
+                _annotate(e, nodes)
+                for n in nodes:  # their outputs will never exist: a later use raises instead of reading garbage
+                    n.pos = -1
+                raise
+            for b, v in zip(live, results):
+                b.value = v
+                b.node = None
+            for sd in live_sds:
+                b = sd.raw_buf
+                if b.value is not None:
+                    sd.buf = b.value
+            self._inflight.append(([_weakref(v) for v in results], nodes))
+            while len(self._inflight) > self.max_in_flight:
+                _wait(self._inflight.popleft())
+
+    def wait_all(self) -> None:
+        """Wait for every dispatched fused graph (``synchronize`` calls this; a host read waits
+        only on its own buffer).
+
+        On an error the remaining flights are dropped: their buffers carry the error too."""
+        with self.lock:
+            try:
+                while self._inflight:
+                    _wait(self._inflight.popleft())
+            finally:
+                self._inflight.clear()
+
+    def explain(self, e: BaseException) -> None:
+        """Add the recording lines to an error a blocking read hit, if a fused graph still in
+        flight is what failed (a read waits on its own buffer, which may be that graph's output)."""
+        with self.lock:
+            flights = list(self._inflight)
+        for refs, nodes in flights:
+            a = _live_output(refs)
+            if a is None:
+                continue
+            try:
+                a.block_until_ready()
+            except Exception:
+                _annotate(e, nodes)
+                return
+
+    def clear_cache(self) -> None:
+        self._graph_cache.clear()
+
+
+def _wait(flight) -> None:
+    """Block until one dispatched fused graph has run; its runtime error, if any, is raised
+    here with the lines that recorded its ops. All outputs of one execution become ready
+    together, so one live (not donated onward) output is enough to wait on."""
+    refs, nodes = flight
+    a = _live_output(refs)
+    if a is not None:
+        try:
+            a.block_until_ready()
+        except Exception as e:
+            _annotate(e, nodes)
+            raise
+
+
+def _live_output(refs):
+    """One output of a dispatched graph that is still alive and not donated onward, or None."""
+    for r in refs:
+        a = r()
+        if a is not None and not a.is_deleted():
+            return a
+    return None
+
+
+def _transient_bytes(compiled) -> int:
+    """Bytes a run of ``compiled`` needs beyond its (already counted) inputs: XLA's own
+    buffer assignment of temporaries and outputs, less outputs written into donated inputs."""
+    try:
+        m = compiled.memory_analysis()
+        return max(0, int(m.temp_size_in_bytes) + int(m.output_size_in_bytes) - int(m.alias_size_in_bytes))
+    except Exception:  # a backend without memory analysis: only materialized buffers are counted
+        return 0
+
+
+def _donatable(ext):
+    """Slots whose buffer nothing else holds: an old parameter or optimizer state
+    replaced by this flush. Donating them lets XLA write the new values in place,
+    so a training step does not hold two copies."""
+    counts: dict = {}
+    for a in ext:
+        counts[id(a)] = counts.get(id(a), 0) + 1
+    out = []
+    for i in range(len(ext)):
+        a = ext[i]
+        # references: the ext list, this loop's variable, getrefcount's argument
+        if counts[id(a)] == 1 and type(a) is _ARRAY and sys.getrefcount(a) <= 3 and a.size > 0:
+            out.append(i)
+    return tuple(out)
+
+
+_ARRAY = type(jax.numpy.zeros(()))
+# the abstract value jit gives a python number of each type (the kernel path passes numbers met
+# once as themselves)
+_PY_AVALS = {t: (z.shape, z.dtype, z.weak_type) for t, z in
+             ((t, jax.numpy.asarray(t(0))) for t in (bool, int, float, complex))}
+
+
+def _make_graph_fn(spec, outs, nodes):
+    names = [(n.name, n.site) for n in nodes]
+
+    def graph(*ext):
+        env = []
+        for (fn, ins), (name, site) in zip(spec, names):
+            args = [ext[i] if type(i) is int else env[i[0]][i[1]] for i in ins]
+            try:
+                env.append(fn(*args))
+            except Exception as e:
+                _add_site_note(e, name, site)
+                raise
+        return [env[i][j] for i, j in outs]
+
+    return graph
+
+
+def _add_site_note(e, name, site):
+    if getattr(e, "_torchtpu_site", False):
+        return
+    e._torchtpu_site = True
+    where = f"{site[0]}:{site[1]} in {site[2]}" if site else "an unknown line"
+    e.add_note(f"torchtpu DeferAndFuse: the failing op {name} was recorded at {where}")
+
+
+def _annotate(e, nodes):
+    """Note on an error XLA raised while running (not tracing) a fused graph: which op failed
+    inside one executable is not known, so name the user lines that recorded its ops."""
+    if getattr(e, "_torchtpu_site", False) or not nodes:
+        return
+    e._torchtpu_site = True
+    lines: dict = {}
+    for n in nodes:
+        if n.site is not None:
+            lines.setdefault((n.site[0], n.site[1]), []).append(n.name)
+    shown = [f"{f}:{ln} ({', '.join(dict.fromkeys(names))})" for (f, ln), names in list(lines.items())[-8:]]
+    more = f" (last {len(shown)} of {len(lines)} lines)" if len(lines) > len(shown) else ""
+    e.add_note(f"torchtpu DeferAndFuse: failed while running {len(nodes)} fused ops recorded at{more}: "
+               + "; ".join(shown))
+
+
+RECORDER = Recorder()

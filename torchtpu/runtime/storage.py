@@ -1,0 +1,299 @@
+"""Where the bytes of a tpu tensor live.
+
+A tpu tensor is a plain ``torch.Tensor`` on PrivateUse1 whose torch-side
+metadata (sizes, strides, storage offset, a storage of the right byte size) is
+real, so every view op torch implements with metadata alone works unchanged.
+The storage's data pointer is a fake address; its bytes are a flat 1-D
+``jax.Array`` hung off the (PyObject-preserved) ``UntypedStorage`` as ``_tpu``
+(a :class:`StorageData`).
+
+Reading a tensor means applying its layout (size, stride, offset) to that flat
+buffer; writing means scattering back (``layout.read`` / ``layout.write``,
+done inside jitted programs). Host transfers go through ``to_numpy_host``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from ..base import dtypes
+from ..base.memory import MEMORY
+from . import layout as _layout
+from .recorder import RECORDER, LazyBuf
+
+_DEV = None  # torch.device("tpu", 0), set once the backend is renamed
+_CPU_KEYSET = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_create_empty = torch._C._acc.create_empty_tensor
+_make_storage = torch._C._construct_storage_from_data_pointer
+_set_storage = torch.ops.aten.set_.source_Storage_storage_offset._handle.redispatch_boxed
+
+_LIVE: "weakref.WeakSet[StorageData]" = weakref.WeakSet()  # storages with a concrete buffer (synchronize)
+_ARRAY = type(jnp.zeros(()))  # the concrete jax array type (fast check)
+_adopt = RECORDER.adopt
+
+
+class StorageData:
+    """The device bytes of one storage: a flat jax array of ``numel`` elements.
+
+    ``raw_buf`` is the buffer as held: under DeferAndFuse it may be a pending
+    ``recorder.LazyBuf``; reading ``buf`` materializes it (a flush), so code
+    outside the op path always sees a concrete array. Bytes are counted once a
+    concrete buffer exists.
+
+    Storages are untyped bytes, as in PyTorch: ``dtype`` is the element type
+    the buffer is held in now, and a tensor of another dtype over the same
+    storage (a byte view made by torch's storage code: ``storage.copy_``,
+    ``torch.load``, ``UntypedStorage(n, device="tpu")``) reinterprets it.
+    """
+
+    __slots__ = ("raw_buf", "nbytes", "counted", "dtype", "__weakref__")
+
+    def __init__(self, buf, nbytes, dtype):
+        # the ``buf`` setter, inlined: this runs for every op output
+        self.nbytes = nbytes
+        self.dtype = dtype
+        self.raw_buf = buf
+        if type(buf) is LazyBuf:
+            # counted, and known to synchronize(), once a concrete buffer arrives (most
+            # pending outputs are intermediates that never get one)
+            self.counted = False
+            _adopt(self)
+        else:
+            self.counted = True
+            MEMORY.add(nbytes)
+            _LIVE.add(self)
+
+    @property
+    def buf(self):
+        b = self.raw_buf
+        if type(b) is LazyBuf:
+            RECORDER.materialize(b, "materialize")
+            b = self.raw_buf
+        return b
+
+    @buf.setter
+    def buf(self, b):
+        # every in-place op's outputs land here
+        self.raw_buf = b
+        if type(b) is LazyBuf:
+            _adopt(self)
+        elif not self.counted:
+            self.counted = True
+            MEMORY.add(self.nbytes)
+            _LIVE.add(self)
+
+    def retype(self, dtype: torch.dtype) -> None:
+        """Hold the buffer as ``dtype`` elements: the same bytes, reinterpreted."""
+        b = self.buf
+        jd = np.dtype(dtypes.to_jax(dtype))
+        if b.dtype != jd:
+            self.raw_buf = _bitcast_jit(np.dtype(b.dtype), jd, self.nbytes)(b)
+        self.dtype = dtype
+
+    def __del__(self):
+        try:
+            if self.counted:
+                MEMORY.sub(self.nbytes)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+def storage_data(t: torch.Tensor) -> StorageData:
+    try:
+        sd = t.untyped_storage()._tpu
+    except AttributeError:
+        raise RuntimeError(
+            "torchtpu: this tpu tensor has no device data attached (it was made by a path "
+            "torchtpu does not know). Please report the op that produced it."
+        ) from None
+    if sd.dtype is not t.dtype:
+        sd.retype(t.dtype)
+    return sd
+
+
+def live_buffers() -> list:
+    """The concrete buffers of every live storage (what ``synchronize`` waits for)."""
+    return [sd.raw_buf for sd in list(_LIVE) if type(sd.raw_buf) is not LazyBuf]
+
+
+_bitcast_cache: dict = {}
+
+
+def _bitcast_jit(src, dst, nbytes):
+    key = (src, dst, nbytes)
+    fn = _bitcast_cache.get(key)
+    if fn is None:
+        numel = -(-nbytes // dst.itemsize)
+        fn = jax.jit(lambda b: _layout.from_bytes(_layout.fit(_layout.to_bytes(b), nbytes), dst, numel))
+        _bitcast_cache[key] = fn
+    return fn
+
+
+# ---------------------------------------------------------------- making tensors
+_zeros_cache: dict = {}
+
+
+def _zeros_flat(numel, jdtype):
+    """Immutable zero buffers are shared: jax arrays never change in place."""
+    key = (numel, jdtype)
+    z = _zeros_cache.get(key)
+    if z is None:
+        z = jnp.zeros((numel,), jdtype)
+        if numel <= (1 << 16):
+            _zeros_cache[key] = z
+    return z
+
+
+# Each storage gets a distinct fake data pointer so that code comparing
+# data_ptr()s (aliasing checks, dedup in serializers) sees the truth. They lie
+# in non-canonical x86-64 address space: any C++ code that dereferences one
+# faults at once instead of reading someone else's memory.
+_FAKE_PTR_BASE = 0x7FF0 << 48
+_next_ptr = _FAKE_PTR_BASE
+_ptr_lock = threading.Lock()
+
+
+def _fake_ptr(nbytes):
+    global _next_ptr
+    with _ptr_lock:
+        p = _next_ptr
+        _next_ptr += (nbytes + 64) & ~63
+        if _next_ptr >= (0x7FFF << 48):
+            _next_ptr = _FAKE_PTR_BASE
+    return p
+
+
+def new_storage(nbytes: int, buf, dtype: torch.dtype) -> torch.UntypedStorage:
+    """A tpu ``UntypedStorage`` of ``nbytes`` bytes held as flat ``buf`` of ``dtype`` elements."""
+    s = _make_storage(_fake_ptr(nbytes), _DEV or _dev(), nbytes)
+    s._tpu = StorageData(buf, nbytes, dtype)
+    return s
+
+
+def new_tensor(size, dtype: torch.dtype, buf=None, stride=None) -> torch.Tensor:
+    """A fresh tpu tensor of ``size`` (contiguous unless ``stride``) over flat ``buf``."""
+    if stride is None:
+        stride, numel = _layout.contiguous(size)
+    else:
+        numel = _layout.storage_numel(size, stride, 0)
+    if buf is None:
+        buf = _zeros_flat(numel, dtypes.to_jax(dtype))
+    t = _create_empty(_EMPTY, dtype)
+    _set_storage(_CPU_KEYSET, t, new_storage(numel * dtype.itemsize, buf, dtype), 0, size, stride)
+    return t
+
+
+_EMPTY = [0]
+
+
+def replace_storage(t: torch.Tensor, size, buf) -> None:
+    """Give ``t`` a fresh contiguous storage of ``size`` (``resize_``/``set_`` semantics)."""
+    size = tuple(size)
+    stride, numel = _layout.contiguous(size)
+    if buf is None:
+        buf = _zeros_flat(numel, dtypes.to_jax(t.dtype))
+    _set_storage(_CPU_KEYSET, t, new_storage(numel * t.dtype.itemsize, buf, t.dtype), 0, size, stride)
+
+
+def _dev():
+    global _DEV
+    _DEV = torch.device("tpu", 0)
+    return _DEV
+
+
+def layout(t: torch.Tensor):
+    """Hashable description of how ``t`` reads its flat buffer."""
+    return (tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def covers_storage(t: torch.Tensor, buf) -> bool:
+    """Is ``t`` a contiguous view of all of flat ``buf`` (so ``buf`` holds exactly its elements)?"""
+    size, stride, offset = layout(t)
+    return offset == 0 and buf.size == math.prod(size) and _layout.is_contiguous(size, stride)
+
+
+# ---------------------------------------------------------------- values as jax arrays
+def logical_value(t: torch.Tensor):
+    """The jax array holding the value of tpu tensor ``t`` (a copy only if ``t`` is a strided view)."""
+    buf = storage_data(t).buf
+    if covers_storage(t, buf):
+        return buf if tuple(buf.shape) == tuple(t.shape) else buf.reshape(t.shape)
+    return _read_jit(layout(t))(buf)
+
+
+def flat_value(t: torch.Tensor):
+    """``t``'s elements as a flat jax array, with no device work when ``t`` covers its whole
+    storage (the storage's own buffer, whatever shape it was produced in)."""
+    buf = storage_data(t).buf
+    if covers_storage(t, buf):
+        return buf
+    return logical_value(t).reshape(-1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _read_jit(lay):
+    return jax.jit(lambda b: _layout.read(b, lay))
+
+
+def from_jax_array(arr, dtype=None) -> torch.Tensor:
+    arr = jnp.asarray(arr)
+    dt = dtypes.to_torch(arr.dtype) if dtype is None else dtype
+    return new_tensor(arr.shape, dt, arr)
+
+
+_write_cache: dict = {}
+_cast_cache: dict = {}
+
+
+def write_value(dst: torch.Tensor, value) -> None:
+    """Write jax ``value`` (broadcast and cast) into tpu tensor ``dst``: a buffer swap when ``dst``
+    covers its whole storage, else a strided write. Every view of the storage sees it."""
+    sd = storage_data(dst)
+    lay = layout(dst)
+    size = lay[0]
+    if tuple(value.shape) != tuple(size):
+        try:
+            jnp.broadcast_shapes(value.shape, size)
+        except ValueError:
+            raise RuntimeError(
+                f"The size of tensor a ({list(size)}) must match the size of tensor b ({list(value.shape)})"
+            ) from None
+    if covers_storage(dst, sd.buf) and tuple(value.shape) == tuple(size):
+        jd = dtypes.to_jax(dst.dtype)
+        sd.buf = value if value.dtype == jd else _cast(value, jd)
+        return
+    key = (lay, sd.buf.shape, sd.buf.dtype, value.shape, value.dtype)
+    fn = _write_cache.get(key)
+    if fn is None:
+        fn = jax.jit(lambda b, v: _layout.write(b, lay, v))
+        _write_cache[key] = fn
+    sd.buf = fn(sd.buf, value)
+
+
+def _cast(value, jd):
+    key = (value.dtype, jd)
+    fn = _cast_cache.get(key)
+    if fn is None:
+        fn = jax.jit(lambda v: v.astype(jd))
+        _cast_cache[key] = fn
+    return fn(value)
+
+
+# ---------------------------------------------------------------- host transfers
+def to_numpy_host(t: torch.Tensor) -> np.ndarray:
+    """Host copy of a tpu tensor's logical value (blocks). The one host-read path."""
+    if RECORDER.pending:
+        RECORDER.flush("host_read")
+    try:
+        return np.asarray(jax.device_get(logical_value(t)))
+    except Exception as e:  # a fused graph still in flight failed: name the lines that recorded it
+        RECORDER.explain(e)
+        raise
