@@ -270,12 +270,84 @@ _VIEWS[aten._scaled_dot_product_fused_attention_overrideable_backward.default] =
 
 
 def _is_random(node) -> bool:
+    """The node takes a fresh random key (a graph input)."""
     t = node.target
+    if t is _RUN_AND_SAVE_RNG:
+        return _op_is_random(node.args[0], node.args[1:], node.kwargs)
+    if t is _RUN_WITH_RNG:
+        return False  # replays the key its run_and_save_rng_state twin saved
+    return _op_is_random(t, node.args, node.kwargs)
+
+
+def _op_is_random(t, args, kwargs) -> bool:
     if t is _SDPA:
-        return _bind(t, node.args, node.kwargs)[4] > 0
+        return _bind(t, args, kwargs)[4] > 0
     if t in _RANDOM_FACTORIES:
         return True
-    return _kind(node) == "lower" and registry.LOWERINGS[_qualname(t)].random
+    return (isinstance(t, torch._ops.OpOverload) and t not in _VIEWS and _qualname(t) in registry.LOWERINGS
+            and registry.LOWERINGS[_qualname(t)].random)
+
+
+# Activation checkpointing (torch.utils.checkpoint traced by Dynamo, e.g. Hugging Face's
+# gradient_checkpointing) recomputes the forward's random ops in the backward: AOTAutograd wraps
+# each as run_and_save_rng_state(op, ...) -> (state, out) in the forward graph and
+# run_with_rng_state(state, op, ...) in the backward one. The state tensor is shaped like
+# torch.get_rng_state() (uint8); here it carries the op's random key in its first bytes, so the
+# recompute draws the same numbers. (Ops tagged random that draw nothing, such as SDPA without
+# dropout, save zeros.)
+_RUN_AND_SAVE_RNG = torch._prims.rng_prims.run_and_save_rng_state
+_RUN_WITH_RNG = torch._prims.rng_prims.run_with_rng_state
+
+
+class _OpMeta:
+    """What the lowerings read of a node (``meta["val"]``), for an op wrapped in an rng HOP."""
+
+    def __init__(self, val):
+        self.meta = {"val": val}
+
+
+def _key_to_rng_state(key_data, state_val, env):
+    shape = _val_shape(state_val, env)
+    if state_val.dtype != torch.uint8 or math.prod(shape) < 8:
+        raise NotImplementedError(f"torchtpu compile: an rng state of {state_val.dtype} {shape} cannot carry a key")
+    raw = jax.lax.bitcast_convert_type(jnp.asarray(key_data, jnp.uint32), jnp.uint8).reshape(-1)
+    return jnp.zeros(shape, jnp.uint8).reshape(-1).at[:raw.shape[0]].set(raw).reshape(shape)
+
+
+def _fill_rng_meta(gm) -> None:
+    """AOTAutograd leaves its rng HOP nodes without ``meta["val"]``: compute it (the wrapped op on
+    the inputs' fake values; the saved state's from the getitem that reads it)."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in (_RUN_AND_SAVE_RNG, _RUN_WITH_RNG):
+            continue
+        save = n.target is _RUN_AND_SAVE_RNG
+        # the state's fake is sized by a symbol of its own (from_tensor under a shape env) that is no
+        # graph input: give it torch.get_rng_state()'s concrete size, so the graph stays static
+        holders = [u for u in n.users if u.target is operator.getitem and u.args[1] == 0] if save else [n.args[0]]
+        for h in holders:
+            v = h.meta.get("val")
+            if isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape):
+                h.meta["val"] = torch.empty(torch.get_rng_state().shape, dtype=v.dtype)
+        if "val" in n.meta:
+            continue
+        inner = n.args[0] if save else n.args[1]
+        args, kwargs = pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a,
+                                       (n.args[1:] if save else n.args[2:], n.kwargs))
+        mode = torch._guards.detect_fake_mode(pytree.tree_leaves((args, kwargs)))
+        if mode is None:
+            continue  # nothing to read shapes from: the lowering sees no meta, as before
+        with mode:
+            out = inner(*args, **kwargs)
+        if save:
+            state = next((u.meta.get("val") for u in n.users
+                          if u.target is operator.getitem and u.args[1] == 0), None)
+            n.meta["val"] = (state, out)
+        else:
+            n.meta["val"] = out
+
+
+def _rng_state_to_key(state):
+    return jax.lax.bitcast_convert_type(jnp.asarray(state).reshape(-1)[:8].reshape(2, 4), jnp.uint32)
 
 
 def _qualname(op) -> str:
@@ -307,6 +379,11 @@ def _kind(node):
         return "copy" if node.args[0].op == "placeholder" else None
     if t in _SYM_OPS:
         return "sym"
+    if t is _RUN_AND_SAVE_RNG or t is _RUN_WITH_RNG:
+        inner = node.args[0] if t is _RUN_AND_SAVE_RNG else node.args[1]
+        lowered = isinstance(inner, torch._ops.OpOverload) and (
+            inner in _VIEWS or _qualname(inner) in registry.LOWERINGS)
+        return "rng" if lowered else None
     if isinstance(t, torch._ops.OpOverload):
         if t in _VIEWS:
             if t in _INT_INDEX_ONLY and not _int_indices(node):
@@ -790,6 +867,30 @@ class _GraphProgram:
                     env_nodes[node] = env_nodes[dst] = res
                     mutations[self.ph_pos[dst]] = res
                     continue
+                if kind == "rng":
+                    save = node.target is _RUN_AND_SAVE_RNG
+                    inner = node.args[0] if save else node.args[1]
+                    vals = _bind(inner, args[1:] if save else args[2:], kwargs)
+                    val = node.meta["val"][1] if save else node.meta["val"]
+                    state_val = node.meta["val"][0] if save else node.args[0].meta["val"]
+                    kw = {}
+                    if save and _is_random(node):
+                        kd = keys[ki]
+                        ki += 1
+                        kw["key"] = jax.random.wrap_key_data(kd)
+                        state = _key_to_rng_state(kd, state_val, env)
+                    elif save:
+                        state = jnp.zeros(_val_shape(state_val, env), jnp.uint8)
+                    elif _op_is_random(inner, node.args[2:], node.kwargs):
+                        kw["key"] = jax.random.wrap_key_data(_rng_state_to_key(args[0]))
+                    meta = _OpMeta(val)
+                    if inner in _VIEWS:
+                        res = _VIEWS[inner](meta, *vals, **kw)
+                    else:
+                        res = registry.LOWERINGS[_qualname(inner)].fn(*vals, **kw)
+                    res = self._fix(meta, res, env)
+                    env_nodes[node] = (state, res) if save else res
+                    continue
                 vals = _bind(node.target, args, kwargs)
                 kw = {}
                 if _is_random(node):
@@ -1096,6 +1197,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, policy=None, label=N
         run_eager._boxed_call = True
         return run_eager
 
+    _fill_rng_meta(gm)
     prog = _GraphProgram(gm, policy or _default_policy(), label or graph_label())
 
     def run(args):
