@@ -102,27 +102,49 @@ def test_options_are_checked():
         Learner(make_policy(VOCAB), group_size=GROUP, device="cpu", gradient_checkpointing=True)
 
 
-def test_compiled_learner_on_tpu_with_checkpointing_and_token_budget(metrics):
-    """A Hugging Face policy, rollouts from the compiled tpu engine, then a compiled learner step
-    with gradient checkpointing and a token budget: the same update as plain torch on CPU."""
+@pytest.fixture(scope="module")
+def tpu_rollout():
+    """A tiny Hugging Face policy and a sampled batch of it from the compiled tpu rollout engine."""
     base = tiny_hf_causal_lm("qwen2", vocab_size=VOCAB, num_layers=1)
     eng = RolloutEngine(copy.deepcopy(base), 0, device="tpu", compile=True,
                         prompt_buckets=BucketPolicy.pow2(8, 16), response_buckets=BucketPolicy.pow2(8, 16))
     prompts = [[5, 9, 13], [7, 3, 8, 21, 30], [11], [40, 41]]
-    prompts = [p for p in prompts for _ in range(2)]
-    batch = eng.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0))
-    rewards = _rewards(batch)
-    kw = dict(algo="grpo", group_size=2, lr=1e-3, kl_coef=0.05, length_buckets=BucketPolicy.pow2(16, 32))
+    batch = eng.generate([p for p in prompts for _ in range(2)], SamplingParams(max_new_tokens=8, temperature=1.0))
+    return base, batch, _rewards(batch)
+
+
+TPU_KW = dict(algo="grpo", group_size=2, lr=1e-3, kl_coef=0.05, length_buckets=BucketPolicy.pow2(16, 32))
+
+
+def test_compiled_learner_on_tpu_with_checkpointing_and_token_budget(tpu_rollout):
+    """Rollouts from the compiled tpu engine, then a compiled learner step with gradient checkpointing
+    and a token budget: the rollout's log-probs are the learner's, the update plain torch's on CPU."""
+    base, batch, rewards = tpu_rollout
     learner = Learner(copy.deepcopy(base), device="tpu", compile=True, gradient_checkpointing=True,
-                      micro_batch_tokens=64, **kw)
+                      micro_batch_tokens=64, **TPU_KW)
     assert learner.policy.is_activation_checkpointing
     with no_fallback():
         m = learner.train_step(batch, rewards)
-    # the rollout engine and the learner score the sampled tokens alike
     assert m["rollout_logprob_diff_max"] < 1e-4
     assert m["learner_tokens_per_s"] > 0
-    cpu = Learner(copy.deepcopy(base), device="cpu", micro_batch_tokens=64, **kw)
+    cpu = Learner(copy.deepcopy(base), device="cpu", micro_batch_tokens=64, **TPU_KW)
     m_cpu = cpu.train_step(batch, rewards)
     assert m["pg_loss"] == pytest.approx(m_cpu["pg_loss"], abs=1e-5)
     for k, v in _params(cpu.policy).items():
         torch.testing.assert_close(_params(learner.policy)[k], v, atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_compiled_bfloat16_learner_on_tpu(tpu_rollout):
+    base, batch, rewards = tpu_rollout
+    learner = Learner(copy.deepcopy(base), device="tpu", compile=True, param_dtype="bfloat16", **TPU_KW)
+    with no_fallback():
+        m = learner.train_step(batch, rewards)
+    cpu = Learner(copy.deepcopy(base), device="cpu", param_dtype="bfloat16", **TPU_KW)
+    m_cpu = cpu.train_step(batch, rewards)
+    # float32 rollouts scored by a bfloat16 policy: close to bfloat16's precision, not equal
+    assert 0 < m["rollout_logprob_diff_max"] < 0.1
+    for k in ("pg_loss", "kl", "entropy", "grad_norm"):
+        assert m[k] == pytest.approx(m_cpu[k], rel=0.05, abs=1e-3), k
+    for p, mw in zip(learner.policy.parameters(), learner._adam.master):
+        assert p.dtype == torch.bfloat16 and mw.dtype == torch.float32
+        assert torch.equal(p.detach().cpu(), mw.detach().cpu().to(torch.bfloat16))
