@@ -421,8 +421,9 @@ class RolloutEngine:
         self._cached_logits = None
         if self.use_kv_cache:
             if self._hf:
-                from .hf_cache import cached_logits
+                from .hf_cache import cached_logits, use_grouped_attention
                 self._cached_logits = cached_logits
+                use_grouped_attention(self.model)  # no per-step copy of the cache for each query head
             else:
                 self._cached_logits = _kv_cache_logits
         self.compile = (self.device.type == "tpu") if compile is None else bool(compile)

@@ -17,7 +17,7 @@ from helpers import HF_CAUSAL_LM_FAMILIES, no_fallback, tiny_hf_causal_lm
 
 from torchtpu.bucketing import BucketPolicy
 from torchtpu_rl import RolloutEngine, SamplingParams, sequence_logprobs
-from torchtpu_rl.hf_cache import SlotCache, kv_cache_support
+from torchtpu_rl.hf_cache import GROUPED_ATTENTION, SlotCache, grouped_attention, kv_cache_support
 
 VOCAB = 96
 PROMPTS = [[5, 17, 33, 8, 61, 9, 70], [44, 12, 90], [3, 3, 81, 27, 50], [66]]
@@ -62,6 +62,7 @@ def test_cached_rollout_matches_hf_generate(family):
     ref_tok, ref_logp = _hf_greedy(model, PROMPTS, 8)
     eng = RolloutEngine(model, 0, device="cpu", **BUCKETS)
     assert eng.use_kv_cache
+    assert model.config._attn_implementation == GROUPED_ATTENTION  # these configs have 2 kv heads for 4
     batch = eng.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0))
     assert isinstance(next(iter(eng._caches.values())), SlotCache)
     assert torch.equal(batch.response_ids, ref_tok)
@@ -69,6 +70,24 @@ def test_cached_rollout_matches_hf_generate(family):
     # sampled (temperature, top-k, top-p): the rollout's log-probs are the learner's recompute
     sampled = eng.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9))
     torch.testing.assert_close(sampled.logprobs, _recompute(model, sampled, "cpu"), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("L", [1, 5])
+def test_grouped_attention_is_hf_sdpa_attention(L):
+    """Against transformers' own sdpa attention (key/value heads repeated), with a padding mask,
+    for a decode step (1 query) and a prefill (5)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 6, L, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g), torch.randn(2, 2, 9, 8,
+                                                                                                     generator=g)
+    mask = torch.rand(2, 1, L, 9, generator=g) > 0.3
+    mask[..., 0] = True  # no query without a key
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = 3, True, False
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+    got, _ = grouped_attention(module, q, k, v, mask, scaling=0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
