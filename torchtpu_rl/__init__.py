@@ -1,7 +1,8 @@
 """torchtpu_rl: RL post-training of language-model policies on tpu.
 
 Single-process core: the policy interface (:mod:`.policy`), batched generation
-with a KV cache and bucketed shapes (:mod:`.rollout`), GRPO/PPO losses and
+with a KV cache and bucketed shapes (:mod:`.rollout`; Hugging Face models' cache
+in :mod:`.hf_cache`, imported on first use), GRPO/PPO losses and
 estimators (:mod:`.algorithms`) and the learner (:mod:`.learner`). On Ray:
 rollout / learner / reward actors (:mod:`.workers`), versioned bucketed weight
 sync (:mod:`.weight_sync`), the driver loop (:mod:`.driver`) and checkpoints
@@ -25,8 +26,10 @@ from .policy import (
     ValueModel,
     clone_policy,
     get_logits,
+    is_hf_model,
     make_policy,
     policy_logits,
+    position_ids_from_mask,
     sequence_logprobs,
     supports_kv_cache,
     token_logprobs,
@@ -87,4 +90,6 @@ __all__ = [
     "token_logprobs",
     "truncated_is_weights",
     "value_loss",
+    "is_hf_model",
+    "position_ids_from_mask",
 ]

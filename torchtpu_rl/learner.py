@@ -5,8 +5,11 @@
 scalar reward per sequence:
 
 1. prompt + response are laid out as one (rows, length) batch, the length padded
-   to a bucket and the rows to whole micro-batches (``torchtpu.bucketing``), so
-   the device sees a few shapes only;
+   to a bucket (``torchtpu.bucketing``); micro-batches are either
+   ``micro_batch_size`` rows at that length, or, with ``micro_batch_tokens``, rows
+   sorted by length and packed under a token budget, each micro-batch cut to its
+   own length bucket and padded to a power-of-two row count (shorter sequences,
+   more rows: verl's dynamic batch size), so the device sees a few shapes only;
 2. without gradients: the current policy's log-probs (``old_logp``), the
    reference policy's (KL), the critic's values (PPO);
 3. advantages: GRPO group-normalized rewards, or PPO GAE over token rewards
@@ -20,6 +23,16 @@ scalar reward per sequence:
 
 Rows of a GRPO batch come in consecutive groups of ``group_size`` responses to
 the same prompt.
+
+At real sizes: ``param_dtype="bfloat16"`` runs forward and backward in bfloat16
+while AdamW updates float32 master weights (copied back to the model after each
+step: updates smaller than bfloat16's resolution are not lost);
+``gradient_checkpointing`` recomputes each layer's activations in the backward
+(Hugging Face models' ``gradient_checkpointing_enable``); ``grad_clip`` clips the
+global gradient norm. Metrics: ``learner_tokens_per_s`` (prompt + response tokens
+trained on per second, each epoch counted) and ``rollout_logprob_diff_max`` /
+``_mean`` (|rollout log-prob - this step's recompute| over response tokens: how far
+the rollout engine's numerics, or a stale policy version, are from the learner's).
 """
 
 from __future__ import annotations
@@ -31,6 +44,8 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.nn as nn
+
+import torch.nn.functional as F
 
 from torchtpu import bucketing
 from torchtpu.bucketing import BucketPolicy
@@ -51,6 +66,84 @@ def _to_cpu(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
+
+
+_PARAM_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def _param_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.bfloat16):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _PARAM_DTYPES:
+        return _PARAM_DTYPES[dtype.lower()]
+    raise ValueError(f"Learner: param_dtype must be 'float32' or 'bfloat16' (or the torch dtype), not {dtype!r}")
+
+
+def _enable_gradient_checkpointing(model: nn.Module, what: str) -> None:
+    target = model.backbone if isinstance(model, ValueModel) else model
+    # transformers 5 names it activation checkpointing (gradient_checkpointing_enable is its deprecated alias)
+    enable = getattr(target, "activation_checkpointing_enable", None)
+    if callable(enable):
+        kw = {"activation_checkpointing_kwargs": {"use_reentrant": False}}
+    else:
+        enable = getattr(target, "gradient_checkpointing_enable", None)
+        kw = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    if not callable(enable):
+        raise ValueError(f"Learner: gradient_checkpointing=True needs a model with gradient_checkpointing_enable() "
+                         f"(a Hugging Face PreTrainedModel); the {what} is a {type(target).__name__}")
+    # non-reentrant: the form torch.compile traces (the recompute becomes part of the backward program)
+    enable(**kw)
+
+
+class _AdamW:
+    """AdamW over a model's trainable parameters; for low-precision parameters, over float32
+    master copies: the gradient is read into the master, clipped and applied there, and the
+    result cast back into the model (mixed precision as verl/FSDP keep it)."""
+
+    def __init__(self, params, lr, betas, eps, weight_decay):
+        self.params = [p for p in params if p.requires_grad]
+        self.master = None
+        if any(p.dtype != torch.float32 for p in self.params):
+            self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.master or self.params, lr=lr, betas=tuple(betas), eps=eps,
+                                           weight_decay=weight_decay)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, grad_clip):
+        """Clip (when ``grad_clip``) and apply; returns the gradient norm before clipping, or None."""
+        if self.master is not None:
+            for p, m in zip(self.params, self.master):
+                m.grad = p.grad.float() if p.grad is not None else None
+                p.grad = None
+        trained = self.master or self.params
+        norm = torch.nn.utils.clip_grad_norm_(trained, grad_clip) if grad_clip is not None else None
+        self.optimizer.step()
+        if self.master is not None:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.master):
+                    p.copy_(m)
+        return norm
+
+    def state_dict(self) -> dict:
+        sd = {"optimizer": _to_cpu(self.optimizer.state_dict())}
+        if self.master is not None:
+            sd["master"] = [_to_cpu(m) for m in self.master]
+        return sd
+
+    def load_state_dict(self, sd: dict, what: str) -> None:
+        if (self.master is None) != ("master" not in sd):
+            raise ValueError(f"Learner.load_state_dict: the {what} checkpoint was saved with "
+                             f"{'float32' if 'master' not in sd else 'low-precision'} parameters, this learner has "
+                             f"{'float32' if self.master is None else 'low-precision'} ones (param_dtype)")
+        self.optimizer.load_state_dict(sd["optimizer"])
+        if self.master is not None:
+            with torch.no_grad():
+                for m, v in zip(self.master, sd["master"]):
+                    m.copy_(v)
 
 
 def _policy_micro_loss(policy, ids, am, rm, old, adv, w, ref, gtok, scale, temp, eps_low, eps_high, agg, kl_kind,
@@ -93,6 +186,11 @@ class Learner:
     ``temperature``: the sampling temperature the rollouts used (log-probs are scored with it;
     default: the batch's). ``compile``: run each micro-batch's forward + loss (and its backward)
     as ``torch.compile(backend="tpu")`` programs (default: on for tpu).
+
+    Scale: ``micro_batch_tokens`` packs micro-batches by a token budget (rows x padded length;
+    at least one row each; ``micro_batch_size`` then caps the rows); ``gradient_checkpointing``
+    (Hugging Face models); ``param_dtype`` "float32" or "bfloat16" for the policy, reference
+    and critic (float32 master weights in the optimizer). See the module doc for the metrics.
     """
 
     def __init__(self, policy: nn.Module, ref_policy: Optional[nn.Module] = None, algo: str = "grpo", *,
@@ -105,7 +203,9 @@ class Learner:
                  critic_lr: Optional[float] = None, value_clip: Optional[float] = 0.2, gamma: float = 1.0,
                  lam: float = 0.95, whiten_advantages: Optional[bool] = None, grpo_eps: float = 1e-6,
                  grpo_normalize_std: bool = True, temperature: Optional[float] = None, device="tpu",
-                 length_buckets: Optional[BucketPolicy] = None, compile: Optional[bool] = None, seed: int = 0):
+                 length_buckets: Optional[BucketPolicy] = None, compile: Optional[bool] = None, seed: int = 0,
+                 micro_batch_tokens: Optional[int] = None, gradient_checkpointing: bool = False,
+                 param_dtype="float32"):
         if algo not in ("grpo", "ppo"):
             raise ValueError(f"Learner: algo must be 'grpo' or 'ppo', not {algo!r}")
         if loss_agg not in A.AGGREGATIONS:
@@ -117,18 +217,22 @@ class Learner:
         for n, v in (("mini_batch_size", mini_batch_size), ("micro_batch_size", micro_batch_size)):
             if v is not None and v < 1:
                 raise ValueError(f"Learner: {n} must be >= 1, not {v}")
+        if micro_batch_tokens is not None and (not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 1):
+            raise ValueError(f"Learner: micro_batch_tokens must be an int >= 1, not {micro_batch_tokens!r}")
         if kl_coef < 0:
             raise ValueError(f"Learner: kl_coef must be >= 0, not {kl_coef}")
         self.device = torch.device(device)
         self.algo = algo
         self.group_size = group_size
-        self.policy = policy.to(self.device).train()
+        self.param_dtype = _param_dtype(param_dtype)
+        self.policy = policy.to(device=self.device, dtype=self.param_dtype).train()
         self.kl_coef = float(kl_coef)
         self.kl_in_reward = (algo == "ppo") if kl_in_reward is None else bool(kl_in_reward)
         self.kl_kind = kl_kind or ("k1" if self.kl_in_reward else "k3")
         if ref_policy is None and self.kl_coef > 0:
             ref_policy = clone_policy(self.policy, device=self.device, requires_grad=False)
-        self.ref_policy = ref_policy.to(self.device).eval() if ref_policy is not None else None
+        self.ref_policy = (ref_policy.to(device=self.device, dtype=self.param_dtype).eval()
+                           if ref_policy is not None else None)
         if self.ref_policy is not None:
             for p in self.ref_policy.parameters():
                 p.requires_grad_(False)
@@ -137,6 +241,8 @@ class Learner:
         self.ppo_epochs = int(ppo_epochs)
         self.mini_batch_size = mini_batch_size
         self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
+        self.gradient_checkpointing = bool(gradient_checkpointing)
         self.tis_cap = tis_cap
         self.entropy_coef = float(entropy_coef)
         self.grad_clip = grad_clip
@@ -148,15 +254,20 @@ class Learner:
         cfg = getattr(policy, "config", None)
         top = getattr(cfg, "max_seq_len", None) or 4096
         self.length_buckets = length_buckets or BucketPolicy.pow2(8, max(8, top), name="learner_length")
-        self.optimizer = torch.optim.AdamW([p for p in self.policy.parameters() if p.requires_grad], lr=lr,
-                                           betas=tuple(betas), eps=adam_eps, weight_decay=weight_decay)
+        self._adam = _AdamW(self.policy.parameters(), lr, betas, adam_eps, weight_decay)
+        self.optimizer = self._adam.optimizer
         self.critic = None
+        self._critic_adam = None
         self.critic_optimizer = None
         if algo == "ppo":
-            self.critic = (critic if critic is not None else ValueModel.from_policy(self.policy)).to(self.device)
-            self.critic.train()
-            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=critic_lr or lr,
-                                                      betas=tuple(betas), eps=adam_eps, weight_decay=weight_decay)
+            self.critic = (critic if critic is not None else ValueModel.from_policy(self.policy))
+            self.critic = self.critic.to(device=self.device, dtype=self.param_dtype).train()
+            self._critic_adam = _AdamW(self.critic.parameters(), critic_lr or lr, betas, adam_eps, weight_decay)
+            self.critic_optimizer = self._critic_adam.optimizer
+        if self.gradient_checkpointing:
+            _enable_gradient_checkpointing(self.policy, "policy")
+            if self.critic is not None:
+                _enable_gradient_checkpointing(self.critic, "critic")
         # one compiled program per micro-batch shape for forward + loss (+ its backward); default on tpu
         self.compile = (self.device.type == "tpu") if compile is None else bool(compile)
         self._compiled = None
@@ -166,25 +277,69 @@ class Learner:
         self.last_metrics: dict = {}
 
     # ------------------------------------------------------------ layout
-    def _layout(self, batch: RolloutBatch, rows_multiple: int):
-        """Host tensors (rows padded to a multiple of ``rows_multiple``, length to a bucket):
-        ids, attention mask, response mask, behaviour log-probs; all (rows, Lb) aligned with ids."""
+    def _layout(self, batch: RolloutBatch):
+        """Host tensors (rows x a length bucket): ids, attention mask, response mask, behaviour
+        log-probs, all aligned with ids; and each row's length (last real column + 1)."""
         B = len(batch)
         P, R = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
         L = P + R
         Lb = self.length_buckets.bucket(L)
-        Bp = -(-B // rows_multiple) * rows_multiple
-        ids = torch.full((Bp, Lb), batch.pad_id, dtype=torch.int64)
-        am = torch.zeros((Bp, Lb), dtype=torch.int64)
-        rmask = torch.zeros((Bp, Lb), dtype=torch.float32)
-        blogp = torch.zeros((Bp, Lb), dtype=torch.float32)
-        ids[:B, :P] = batch.prompt_ids
-        ids[:B, P:L] = batch.response_ids
-        am[:B, :P] = batch.prompt_mask.long()
-        am[:B, P:L] = batch.response_mask.long()
-        rmask[:B, P:L] = batch.response_mask.float()
-        blogp[:B, P:L] = batch.logprobs.float() * batch.response_mask.float()
-        return ids, am, rmask, blogp, P
+        ids = torch.full((B, Lb), batch.pad_id, dtype=torch.int64)
+        am = torch.zeros((B, Lb), dtype=torch.int64)
+        rmask = torch.zeros((B, Lb), dtype=torch.float32)
+        blogp = torch.zeros((B, Lb), dtype=torch.float32)
+        ids[:, :P] = batch.prompt_ids
+        ids[:, P:L] = batch.response_ids
+        am[:, :P] = batch.prompt_mask.long()
+        am[:, P:L] = batch.response_mask.long()
+        rmask[:, P:L] = batch.response_mask.float()
+        blogp[:, P:L] = batch.logprobs.float() * batch.response_mask.float()
+        # prompts are left-padded to P and responses follow: a row needs columns [0, P + its length)
+        lengths = (P + batch.response_mask.long().sum(1)).tolist()
+        return ids, am, rmask, blogp, lengths
+
+    def _plan(self, rows: list, lengths: list, Lb: int, mini: int) -> list:
+        """Micro-batches of ``rows``: ``(rows, length, padded row count)`` each.
+
+        Without a token budget: ``micro_batch_size`` rows (default: the mini-batch) at the full
+        length ``Lb``. With ``micro_batch_tokens``: rows sorted by length, packed while
+        rows x (the length bucket of the longest) fits the budget; a micro-batch's rows are
+        padded to a power of two (at most what the budget allows at its length)."""
+        if self.micro_batch_tokens is None:
+            micro = min(self.micro_batch_size or mini, mini)
+            return [(rows[s:s + micro], Lb, micro) for s in range(0, len(rows), micro)]
+        budget = self.micro_batch_tokens
+        cap = self.micro_batch_size or len(rows)
+        plan, cur, cur_len = [], [], 0
+        for r in sorted(rows, key=lambda r: lengths[r]):
+            L = self.length_buckets.bucket(max(lengths[r], 1))
+            if cur and ((len(cur) + 1) * L > budget or len(cur) == cap):
+                plan.append((cur, cur_len))
+                cur = []
+            cur, cur_len = cur + [r], L
+        plan.append((cur, cur_len))
+        out = []
+        for chunk, L in plan:
+            most = max(len(chunk), min(budget // L, cap))  # what the budget (and micro_batch_size) allow
+            out.append((chunk, L, min(1 << (len(chunk) - 1).bit_length(), most)))
+        return out
+
+    def _micro_inputs(self, chunk, L, R, tensors):
+        """Rows ``chunk`` of each (rows, Lb) device tensor, cut to ``L`` columns, padded to ``R`` rows
+        with copies of the first row (their tokens weigh nothing: ``keep`` is 0 there)."""
+        keep = torch.ones(R)
+        if len(chunk) < R:
+            keep[len(chunk):] = 0.0
+            chunk = chunk + [chunk[0]] * (R - len(chunk))
+        idx = torch.tensor(chunk, dtype=torch.int64).to(self.device)
+        out = []
+        for t in tensors:
+            if t is None:
+                out.append(None)
+                continue
+            t = t.index_select(0, idx)
+            out.append(t[:, :L] if L < t.shape[1] else t)
+        return keep.to(self.device)[:, None], out
 
     # ------------------------------------------------------------ one update
     def train_step(self, batch: RolloutBatch, rewards) -> dict:
@@ -207,42 +362,48 @@ class Learner:
         temp = self.temperature if self.temperature is not None else batch.temperature
         temp = temp if temp and temp > 0 else 1.0
         mini = self.mini_batch_size or B
-        micro = min(self.micro_batch_size or mini, mini)
-        ids, am, rmask, blogp, P = self._layout(batch, micro)
-        Bp, Lb = ids.shape
+        ids, am, rmask, blogp, lengths = self._layout(batch)
+        Lb = ids.shape[1]
         dev = self.device
         ids_d, am_d, rmask_d, blogp_d = (t.to(dev) for t in (ids, am, rmask, blogp))
 
-        with bucketing.bucket_scope(batch=micro, length=Lb):
-            # ---- 2. no-grad passes over micro-batches
+        with bucketing.bucket_scope(length=Lb, micro=self.micro_batch_tokens or min(self.micro_batch_size or mini,
+                                                                                      mini)):
+            # ---- 2. no-grad passes over micro-batches, put back in row order
+            plan = self._plan(list(range(B)), lengths, Lb, mini)
             old, ref, vals = [], [], []
             score = self._score_fn()
             with torch.no_grad():
-                for s in range(0, Bp, micro):
-                    sl = slice(s, s + micro)
-                    old.append(score(self.policy, ids_d[sl], am_d[sl], rmask_d[sl], temp))
+                for chunk, L, R in plan:
+                    keep, (ids_m, am_m, rm_m) = self._micro_inputs(chunk, L, R, (ids_d, am_d, rmask_d))
+                    n, pad = len(chunk), Lb - L
+                    old.append(F.pad(score(self.policy, ids_m, am_m, rm_m, temp)[:n], (0, pad)))
                     if self.ref_policy is not None and self.kl_coef > 0:
-                        ref.append(score(self.ref_policy, ids_d[sl], am_d[sl], rmask_d[sl], temp))
+                        ref.append(F.pad(score(self.ref_policy, ids_m, am_m, rm_m, temp)[:n], (0, pad)))
                     if self.critic is not None:
-                        vals.append(self._values(ids_d[sl], am_d[sl], rmask_d[sl]))
-            old_logp = torch.cat(old) if len(old) > 1 else old[0]
-            ref_logp = (torch.cat(ref) if len(ref) > 1 else ref[0]) if ref else None
-            old_values = (torch.cat(vals) if len(vals) > 1 else vals[0]) if vals else None
+                        vals.append(F.pad(self._values(ids_m, am_m, rm_m)[:n], (0, pad)))
+            order = [r_ for chunk, _, _ in plan for r_ in chunk]
+            inv = None if order == list(range(B)) else torch.tensor(order).argsort().to(dev)
+
+            def rows_back(parts):
+                if not parts:
+                    return None
+                t = torch.cat(parts) if len(parts) > 1 else parts[0]
+                return t if inv is None else t.index_select(0, inv)
+
+            old_logp, ref_logp, old_values = rows_back(old), rows_back(ref), rows_back(vals)
 
             # ---- 3. advantages
             if self.algo == "grpo":
                 adv_seq = A.grpo_advantages(r, self.group_size, self.grpo_eps, self.grpo_normalize_std)
-                adv = torch.zeros(Bp, Lb)
-                adv[:B] = adv_seq[:, None]
-                adv = adv * rmask
+                adv = adv_seq[:, None] * rmask
                 returns = None
             else:
-                tok_r = torch.zeros(Bp, Lb)
-                lens = batch.response_lengths
+                tok_r = torch.zeros(B, Lb)
+                P = batch.prompt_ids.shape[1]
                 for i in range(B):
-                    n = int(lens[i])
-                    if n:
-                        tok_r[i, P + n - 1] = r[i]
+                    if lengths[i] > P:
+                        tok_r[i, lengths[i] - 1] = r[i]
                 if self.kl_in_reward and ref_logp is not None:
                     kl_tok = A.kl_estimate(old_logp, ref_logp, self.kl_kind).cpu() * rmask
                     tok_r = tok_r - self.kl_coef * kl_tok
@@ -254,6 +415,9 @@ class Learner:
 
             # behaviour -> old importance weights (rollouts from an older version or another engine)
             isw = A.truncated_is_weights(blogp_d, old_logp, self.tis_cap, rmask_d) if self.tis_cap else None
+            # how far the rollout's log-probs are from this recompute (engine numerics, staleness)
+            diff = (blogp_d - old_logp).abs() * rmask_d
+            agreement = torch.stack([diff.max(), diff.sum() / rmask_d.sum().clamp(min=1.0)])
 
             # ---- 4. updates
             stats = []
@@ -262,23 +426,26 @@ class Learner:
                 perm = torch.randperm(B, generator=self._gen)
                 for ms in range(0, B, mini):
                     rows = perm[ms:ms + mini]
-                    stats.append(self._update(rows, micro, ids_d, am_d, rmask_d, rmask, old_logp, ref_logp, adv_d,
-                                              isw, old_values, returns_d, temp))
+                    stats.append(self._update(rows, lengths, Lb, mini, ids_d, am_d, rmask_d, rmask, old_logp,
+                                              ref_logp, adv_d, isw, old_values, returns_d, temp))
                     n_opt += 1
             # one host read for every metric of the step
             keys = list(stats[0].keys())
-            vals_h = torch.stack([torch.stack([s[k].detach().float().reshape(()) for k in keys])
-                                  for s in stats]).cpu()
+            vals_h = torch.cat([torch.stack([torch.stack([s[k].detach().float().reshape(()) for k in keys])
+                                             for s in stats]).flatten(), agreement.float()]).cpu()
         self.policy_version += 1
         dt = time.perf_counter() - t0
         ntok = int(rmask.sum())
-        m = {k: float(vals_h[:, j].mean()) for j, k in enumerate(keys)}
+        real_tok = int(am.sum())
+        m = {k: float(vals_h[:-2].reshape(len(stats), len(keys))[:, j].mean()) for j, k in enumerate(keys)}
         versions = batch.policy_version
         m.update({
             "reward_mean": float(r.mean()), "reward_std": float(r.std()) if B > 1 else 0.0,
             "response_length_mean": float(batch.response_lengths.float().mean()),
             "response_tokens": ntok, "optimizer_steps": n_opt, "step_seconds": dt,
             "tokens_per_s": ntok * self.ppo_epochs / dt if dt > 0 else float("nan"),
+            "learner_tokens_per_s": real_tok * self.ppo_epochs / dt if dt > 0 else float("nan"),
+            "rollout_logprob_diff_max": float(vals_h[-2]), "rollout_logprob_diff_mean": float(vals_h[-1]),
             "policy_version": self.policy_version,
             "staleness_max": int(self.policy_version - 1 - int(versions.min())) if B else 0,
         })
@@ -289,57 +456,45 @@ class Learner:
         # the value of token j's state is read at position j - 1 (as the logits that predict it)
         return torch.roll(self.critic(ids, am), 1, 1) * rmask
 
-    def _update(self, rows, micro, ids_d, am_d, rmask_d, rmask_h, old_logp, ref_logp, adv_d, isw, old_values,
-                returns_d, temp):
-        """One optimizer step over ``rows`` (host indices), in micro-batches of ``micro`` rows."""
+    def _update(self, rows, lengths, Lb, mini, ids_d, am_d, rmask_d, rmask_h, old_logp, ref_logp, adv_d, isw,
+                old_values, returns_d, temp):
+        """One optimizer step over ``rows`` (host indices), in the micro-batches of :meth:`_plan`."""
         n = rows.shape[0]
-        rows_l = rows.tolist()
+        plan = self._plan(rows.tolist(), lengths, Lb, mini)
         # normalizers of the whole mini-batch, as device scalars (a python float would be baked into a
         # compiled program and recompile it every step)
         gtok = torch.tensor(max(float(rmask_h[rows].sum()), 1.0)).to(self.device)
         token_mean = self.loss_agg == "token-mean"
-        scale = torch.tensor(1.0 if token_mean else micro / float(n)).to(self.device)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.critic_optimizer is not None:
-            self.critic_optimizer.zero_grad(set_to_none=True)
+        scales = {}
+        self._adam.zero_grad()
+        if self._critic_adam is not None:
+            self._critic_adam.zero_grad()
         acc = {}
-        chunks = [rows_l[s:s + micro] for s in range(0, n, micro)]
         pfn, vfn = self._micro_fns()
-        for chunk in chunks:
-            keep = torch.ones(micro)
-            if len(chunk) < micro:
-                # pad the micro-batch with a repeated row whose tokens weigh nothing: one shape only
-                keep[len(chunk):] = 0.0
-                chunk = chunk + [chunk[0]] * (micro - len(chunk))
-            idx = torch.tensor(chunk, dtype=torch.int64).to(self.device)
-            keep_d = keep.to(self.device)[:, None]
-            ids, am = ids_d.index_select(0, idx), am_d.index_select(0, idx)
-            rm = rmask_d.index_select(0, idx) * keep_d
-            old = old_logp.index_select(0, idx)
-            adv = adv_d.index_select(0, idx)
-            w = isw.index_select(0, idx) if isw is not None else None
-            ref = ref_logp.index_select(0, idx) if ref_logp is not None else None
-            loss, parts = pfn(self.policy, ids, am, rm, old, adv, w, ref, gtok, scale, temp, self.eps_low,
+        for chunk, L, R in plan:
+            if R not in scales:  # sequence means: each micro-batch's mean over R rows x R / n
+                scales[R] = torch.tensor(1.0 if token_mean else R / float(n)).to(self.device)
+            keep, (ids, am, rm, old, adv, w, ref, ov, ret) = self._micro_inputs(
+                chunk, L, R, (ids_d, am_d, rmask_d, old_logp, adv_d, isw, ref_logp, old_values, returns_d))
+            rm = rm * keep
+            loss, parts = pfn(self.policy, ids, am, rm, old, adv, w, ref, gtok, scales[R], temp, self.eps_low,
                               self.eps_high, self.loss_agg, self.kl_kind, self.kl_coef,
                               not self.kl_in_reward, self.entropy_coef)
             loss.backward()
             if self.critic is not None:
-                vl = vfn(self.critic, ids, am, rm, old_values.index_select(0, idx), returns_d.index_select(0, idx),
-                         gtok, scale, self.value_clip, self.loss_agg)
+                vl = vfn(self.critic, ids, am, rm, ov, ret, gtok, scales[R], self.value_clip, self.loss_agg)
                 vl.backward()
                 parts["value_loss"] = vl.detach()
             for k, v in parts.items():
                 # token-mean pieces are already fractions of the mini-batch: they add up
                 acc[k] = acc[k] + v if k in acc else v
         for k in ("clipfrac", "ratio_mean"):
-            acc[k] = acc[k] / len(chunks)
-        if self.grad_clip is not None:
-            acc["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
-            if self.critic is not None:
-                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.grad_clip)
-        self.optimizer.step()
-        if self.critic_optimizer is not None:
-            self.critic_optimizer.step()
+            acc[k] = acc[k] / len(plan)
+        norm = self._adam.step(self.grad_clip)
+        if norm is not None:
+            acc["grad_norm"] = norm
+        if self._critic_adam is not None:
+            self._critic_adam.step(self.grad_clip)
         return acc
 
     def _score_fn(self):
@@ -367,9 +522,10 @@ class Learner:
         (The driver adds its own data cursor.) All tensors on the host."""
         sd = {
             "algo": self.algo,
+            "param_dtype": str(self.param_dtype).replace("torch.", ""),
             "policy_version": self.policy_version,
             "policy": _to_cpu(self.policy.state_dict()),
-            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            "optimizer": self._adam.state_dict(),
             "rng": {
                 "torch": torch.get_rng_state(),
                 "tpu": torch.tpu.get_rng_state(),
@@ -382,13 +538,17 @@ class Learner:
             sd["ref_policy"] = _to_cpu(self.ref_policy.state_dict())
         if self.critic is not None:
             sd["critic"] = _to_cpu(self.critic.state_dict())
-            sd["critic_optimizer"] = _to_cpu(self.critic_optimizer.state_dict())
+            sd["critic_optimizer"] = self._critic_adam.state_dict()
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("algo") != self.algo:
             raise ValueError(f"Learner.load_state_dict: checkpoint is for algo {sd.get('algo')!r}, "
                              f"this learner is {self.algo!r}")
+        mine = str(self.param_dtype).replace("torch.", "")
+        if sd.get("param_dtype", "float32") != mine:
+            raise ValueError(f"Learner.load_state_dict: checkpoint has param_dtype {sd.get('param_dtype')!r}, "
+                             f"this learner {mine!r}")
         with torch.no_grad():
             self.policy.load_state_dict(sd["policy"])
             if self.ref_policy is not None and "ref_policy" in sd:
@@ -397,9 +557,9 @@ class Learner:
                 if "critic" not in sd:
                     raise ValueError("Learner.load_state_dict: PPO checkpoint has no critic")
                 self.critic.load_state_dict(sd["critic"])
-        self.optimizer.load_state_dict(sd["optimizer"])
-        if self.critic_optimizer is not None:
-            self.critic_optimizer.load_state_dict(sd["critic_optimizer"])
+        self._adam.load_state_dict(sd["optimizer"], "policy")
+        if self._critic_adam is not None:
+            self._critic_adam.load_state_dict(sd["critic_optimizer"], "critic")
         rng = sd["rng"]
         torch.set_rng_state(rng["torch"])
         torch.tpu.set_rng_state(rng["tpu"])

@@ -4,8 +4,15 @@ A policy is any causal language model ``nn.Module`` called as
 ``model(input_ids, attention_mask=None)`` that returns logits (B, T, vocab), or
 a Hugging Face style output with ``.logits`` (or a tuple whose first item is the
 logits). :func:`make_policy` builds the project's own :class:`TinyTransformer`,
-which also supports a static KV cache (what :mod:`torchtpu_rl.rollout` uses for
-fast generation; other models are generated without a cache).
+which has its own static KV cache; Hugging Face causal LMs decode with
+:class:`~torchtpu_rl.hf_cache.SlotCache` (what :mod:`torchtpu_rl.rollout` uses
+for fast generation; other models are generated without a cache).
+
+Hugging Face models are given ``position_ids`` counted from the attention mask
+(``cumsum - 1``: left padding does not count), as their ``generate`` does;
+without them a left-padded prompt would be read at shifted positions. The
+rollout engine and the learner both go through :func:`policy_logits`, so they
+score the same positions.
 
 Log-prob convention (shared by the rollout engine and the learner): the
 log-prob of a sampled token is ``log_softmax(logits / temperature)`` at that
@@ -17,6 +24,7 @@ full-sequence recompute agree up to float rounding.
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Optional
 
 import torch
@@ -29,8 +37,10 @@ __all__ = [
     "ValueModel",
     "clone_policy",
     "get_logits",
+    "is_hf_model",
     "make_policy",
     "policy_logits",
+    "position_ids_from_mask",
     "sequence_logprobs",
     "supports_kv_cache",
     "token_logprobs",
@@ -50,9 +60,31 @@ def get_logits(output) -> torch.Tensor:
                     f"got {type(output).__name__}")
 
 
+def is_hf_model(model) -> bool:
+    """True for a Hugging Face ``PreTrainedModel`` (without importing ``transformers``: a model of
+    it can only exist once it is imported)."""
+    tf = sys.modules.get("transformers")
+    return tf is not None and isinstance(model, tf.PreTrainedModel)
+
+
+def position_ids_from_mask(attention_mask) -> torch.Tensor:
+    """Positions (B, T) int64 of a (left- or right-) padded batch: the number of real tokens before
+    each token (0 at left padding), as Hugging Face's ``generate`` derives them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _forward(model, input_ids, attention_mask, **kwargs):
+    if is_hf_model(model):
+        # positions from the mask (left padding); no KV cache object built for a full forward
+        pos = position_ids_from_mask(attention_mask) if attention_mask is not None else None
+        return model(input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False, **kwargs)
+    return model(input_ids, attention_mask=attention_mask, **kwargs)
+
+
 def policy_logits(model: nn.Module, input_ids, attention_mask=None) -> torch.Tensor:
-    """``model(input_ids, attention_mask)``'s logits (B, T, vocab), checked for shape."""
-    logits = get_logits(model(input_ids, attention_mask=attention_mask))
+    """``model(input_ids, attention_mask)``'s logits (B, T, vocab), checked for shape (Hugging Face
+    models also get ``position_ids`` from the mask)."""
+    logits = get_logits(_forward(model, input_ids, attention_mask))
     if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(input_ids.shape):
         raise ValueError(f"policy returned logits of shape {tuple(logits.shape)} for input_ids "
                          f"{tuple(input_ids.shape)}; expected (batch, seq, vocab)")
@@ -60,9 +92,16 @@ def policy_logits(model: nn.Module, input_ids, attention_mask=None) -> torch.Ten
 
 
 def supports_kv_cache(model: nn.Module) -> bool:
-    """True when ``model`` has this project's static KV cache API (``init_kv_cache`` and
-    ``forward(..., kv_cache=, cache_position=)``)."""
-    return callable(getattr(model, "init_kv_cache", None))
+    """True when ``model`` decodes with a static KV cache: this project's API (``init_kv_cache`` and
+    ``forward(..., kv_cache=, cache_position=)``), or a Hugging Face causal LM that
+    :func:`torchtpu_rl.hf_cache.kv_cache_support` accepts."""
+    if callable(getattr(model, "init_kv_cache", None)):
+        return True
+    if is_hf_model(model):
+        from .hf_cache import kv_cache_support
+
+        return kv_cache_support(model)[0]
+    return False
 
 
 def make_policy(vocab_size: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4, max_seq_len: int = 64,
@@ -167,8 +206,8 @@ class ValueModel(nn.Module):
     """A critic: a transformer trunk plus a linear value head, ``forward -> values (B, T)``.
 
     ``backbone`` is a :class:`TinyTransformer` (its ``hidden_states``) or a Hugging Face causal
-    LM (its last ``hidden_states`` with ``output_hidden_states=True``). The head starts at
-    zero, so the initial values are 0 (no bias in the first advantages).
+    LM (the ``last_hidden_state`` of its base model: the LM head, vocab-sized, is not computed).
+    The head starts at zero, so the initial values are 0 (no bias in the first advantages).
     """
 
     def __init__(self, backbone: nn.Module, hidden_size: Optional[int] = None):
@@ -189,12 +228,14 @@ class ValueModel(nn.Module):
         """A critic whose trunk starts as a copy of ``policy`` (as OpenRLHF/verl initialize it)."""
         trunk = clone_policy(policy, device=device, requires_grad=True)
         vm = cls(trunk)
-        return vm.to(next(trunk.parameters()).device)
+        return vm.to(next(trunk.parameters()))  # the trunk's device and dtype
 
     def forward(self, input_ids, attention_mask=None):
         if callable(getattr(self.backbone, "hidden_states", None)):
             h = self.backbone.hidden_states(input_ids, attention_mask)
+        elif is_hf_model(self.backbone) and self.backbone.base_model is not self.backbone:
+            h = _forward(self.backbone.base_model, input_ids, attention_mask).last_hidden_state
         else:
-            out = self.backbone(input_ids, attention_mask=attention_mask, output_hidden_states=True)
+            out = _forward(self.backbone, input_ids, attention_mask, output_hidden_states=True)
             h = out.hidden_states[-1]
         return self.value_head(h).squeeze(-1).float()

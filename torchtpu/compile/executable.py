@@ -40,7 +40,19 @@ from ..dispatch import fallback
 from ..dispatch.lowering import LOWERINGS
 from ..runtime import storage
 from ..runtime.recorder import RECORDER
-from .nodes import FUNCTIONAL, SYM_OPS, bind_args, is_random, node_kind
+from .nodes import (
+    FUNCTIONAL,
+    RUN_AND_SAVE_RNG,
+    SYM_OPS,
+    bind_args,
+    fill_rng_meta,
+    is_random,
+    key_to_rng_state,
+    node_kind,
+    op_is_random,
+    rng_state_to_key,
+    rng_wrapped_op,
+)
 from .padding import pad_unsafe_reason
 from .shapes import NotBucketable, eval_size, is_symbolic, size_expr, val_shape
 
@@ -173,6 +185,13 @@ class GraphProgram:
                     env_nodes[node] = env_nodes[dst] = res
                     mutations[self.ph_pos[dst]] = res
                     continue
+                if kind == "rng":
+                    key_data = None
+                    if is_random(node):
+                        key_data = keys[ki]
+                        ki += 1
+                    env_nodes[node] = self._run_rng(node, args, kwargs, key_data, env)
+                    continue
                 vals = bind_args(node.target, args, kwargs)
                 kw = {}
                 if is_random(node):
@@ -190,6 +209,34 @@ class GraphProgram:
                 return arrays, tuple(mutations[i] for i in self.mutated)
             else:
                 raise NotImplementedError(f"torchtpu compile: FX node kind {op}")
+
+    def _run_rng(self, node, args, kwargs, key_data, env):
+        """An op under activation checkpointing (see nodes.RUN_AND_SAVE_RNG): the forward's
+        run_and_save_rng_state returns (state carrying the key it drew, result); the backward's
+        run_with_rng_state replays that key."""
+        save = node.target is RUN_AND_SAVE_RNG
+        inner, inner_args = rng_wrapped_op(node)
+        vals = bind_args(inner, args[1:] if save else args[2:], kwargs)
+        val = node.meta["val"][1] if save else node.meta["val"]
+        state_val = node.meta["val"][0] if save else node.args[0].meta["val"]
+        if state_val.dtype != torch.uint8:
+            raise NotImplementedError(f"torchtpu compile: an rng state of {state_val.dtype} cannot carry a key")
+        state_shape = val_shape(state_val, env)
+        kw = {}
+        if key_data is not None:
+            kw["key"] = jax.random.wrap_key_data(key_data)
+            state = key_to_rng_state(key_data, state_shape)
+        elif save:
+            state = jnp.zeros(state_shape, jnp.uint8)
+        elif op_is_random(inner, inner_args, node.kwargs):
+            kw["key"] = jax.random.wrap_key_data(rng_state_to_key(args[0]))
+        meta = _ValueMeta(val)
+        if inner in FUNCTIONAL:
+            res = FUNCTIONAL[inner](functools.partial(_result_type, meta, env), *vals, **kw)
+        else:
+            res = LOWERINGS[qualified_name(inner)].fn(*vals, **kw)
+        res = self._fix(meta, res, env)
+        return (state, res) if save else res
 
     @staticmethod
     def _fix(node, res, env):
@@ -341,6 +388,13 @@ class GraphProgram:
             )
 
 
+class _ValueMeta:
+    """What ``_fix`` and ``_result_type`` read of a node (``meta["val"]``), for an op wrapped in an rng HOP."""
+
+    def __init__(self, val):
+        self.meta = {"val": val}
+
+
 def _result_type(node, env):
     """(shape, jax dtype) of ``node``'s result with the graph's symbols bound to ``env``."""
     v = node.meta["val"]
@@ -478,6 +532,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, policy=None, label=N
         run_eager._boxed_call = True
         return run_eager
 
+    fill_rng_meta(gm)
     prog = GraphProgram(gm, policy or _default_policy(), label or graph_label())
 
     def run(args):

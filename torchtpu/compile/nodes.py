@@ -10,10 +10,14 @@ symbolic-size ops (``SYM_OPS``).
 
 from __future__ import annotations
 
+import math
 import operator
 
+import jax
 import jax.numpy as jnp
 import torch
+import torch._guards
+from torch.utils import _pytree as pytree
 
 from ..base import dtypes
 from ..base.opnames import qualified_name
@@ -221,12 +225,84 @@ FUNCTIONAL[aten._scaled_dot_product_fused_attention_overrideable_backward.defaul
 
 
 def is_random(node) -> bool:
+    """The node takes a fresh random key (a graph input)."""
     t = node.target
+    if t is RUN_AND_SAVE_RNG:
+        return op_is_random(node.args[0], node.args[1:], node.kwargs)
+    if t is RUN_WITH_RNG:
+        return False  # replays the key its run_and_save_rng_state twin saved
+    return op_is_random(t, node.args, node.kwargs)
+
+
+def op_is_random(t, args, kwargs) -> bool:
     if t is SDPA:
-        return bind_args(t, node.args, node.kwargs)[4] > 0
+        return bind_args(t, args, kwargs)[4] > 0
     if t in _RANDOM_FACTORIES:
         return True
-    return node_kind(node) == "lower" and LOWERINGS[qualified_name(t)].random
+    return (isinstance(t, torch._ops.OpOverload) and t not in FUNCTIONAL and qualified_name(t) in LOWERINGS
+            and LOWERINGS[qualified_name(t)].random)
+
+
+# Activation checkpointing (torch.utils.checkpoint traced by Dynamo, e.g. Hugging Face's
+# gradient_checkpointing) recomputes the forward's random ops in the backward: AOTAutograd wraps
+# each as run_and_save_rng_state(op, ...) -> (state, out) in the forward graph and
+# run_with_rng_state(state, op, ...) in the backward one. The state tensor is shaped like
+# torch.get_rng_state() (uint8); here it carries the op's random key in its first bytes, so the
+# recompute draws the same numbers. (Ops tagged random that draw nothing, such as SDPA without
+# dropout, save zeros.)
+RUN_AND_SAVE_RNG = torch._prims.rng_prims.run_and_save_rng_state
+RUN_WITH_RNG = torch._prims.rng_prims.run_with_rng_state
+
+
+def rng_wrapped_op(node):
+    """The op an rng HOP node wraps, and its own arguments."""
+    if node.target is RUN_AND_SAVE_RNG:
+        return node.args[0], node.args[1:]
+    return node.args[1], node.args[2:]
+
+
+def key_to_rng_state(key_data, shape):
+    """A uint8 rng-state array of ``shape`` carrying random key ``key_data`` in its first bytes."""
+    if math.prod(shape) < 8:
+        raise NotImplementedError(f"torchtpu compile: an rng state of shape {shape} cannot carry a key")
+    raw = jax.lax.bitcast_convert_type(jnp.asarray(key_data, jnp.uint32), jnp.uint8).reshape(-1)
+    return jnp.zeros(shape, jnp.uint8).reshape(-1).at[:raw.shape[0]].set(raw).reshape(shape)
+
+
+def rng_state_to_key(state):
+    return jax.lax.bitcast_convert_type(jnp.asarray(state).reshape(-1)[:8].reshape(2, 4), jnp.uint32)
+
+
+def fill_rng_meta(gm) -> None:
+    """AOTAutograd leaves its rng HOP nodes without ``meta["val"]``: compute it (the wrapped op on
+    the inputs' fake values; the saved state's from the getitem that reads it)."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in (RUN_AND_SAVE_RNG, RUN_WITH_RNG):
+            continue
+        save = n.target is RUN_AND_SAVE_RNG
+        # the state's fake is sized by a symbol of its own (from_tensor under a shape env) that is no
+        # graph input: give it torch.get_rng_state()'s concrete size, so the graph stays static
+        holders = [u for u in n.users if u.target is operator.getitem and u.args[1] == 0] if save else [n.args[0]]
+        for h in holders:
+            v = h.meta.get("val")
+            if isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape):
+                h.meta["val"] = torch.empty(torch.get_rng_state().shape, dtype=v.dtype)
+        if "val" in n.meta:
+            continue
+        inner, inner_args = rng_wrapped_op(n)
+        args, kwargs = pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a,
+                                       (inner_args, n.kwargs))
+        mode = torch._guards.detect_fake_mode(pytree.tree_leaves((args, kwargs)))
+        if mode is None:
+            continue  # nothing to read shapes from: the lowering sees no meta, as before
+        with mode:
+            out = inner(*args, **kwargs)
+        if save:
+            state = next((u.meta.get("val") for u in n.users
+                          if u.target is operator.getitem and u.args[1] == 0), None)
+            n.meta["val"] = (state, out)
+        else:
+            n.meta["val"] = out
 
 
 def bind_args(op, args, kwargs):
@@ -245,7 +321,8 @@ def bind_args(op, args, kwargs):
 
 
 def node_kind(node):
-    """How a call_function node is executed: 'lower', 'view', 'getitem', 'py', or None (unsupported)."""
+    """How a call_function node is executed: 'lower', 'view', 'getitem', 'copy', 'sym', 'rng' (a random op
+    under activation checkpointing), 'py', or None (unsupported)."""
     t = node.target
     if t is operator.getitem:
         return "getitem"
@@ -254,6 +331,11 @@ def node_kind(node):
         return "copy" if node.args[0].op == "placeholder" else None
     if t in SYM_OPS:
         return "sym"
+    if t is RUN_AND_SAVE_RNG or t is RUN_WITH_RNG:
+        inner, _ = rng_wrapped_op(node)
+        lowered = isinstance(inner, torch._ops.OpOverload) and (
+            inner in FUNCTIONAL or qualified_name(inner) in LOWERINGS)
+        return "rng" if lowered else None
     if isinstance(t, torch._ops.OpOverload):
         if t in FUNCTIONAL:
             if t in _INT_INDEX_ONLY and not _int_indices(node):
