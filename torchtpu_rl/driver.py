@@ -38,7 +38,7 @@ import os
 import time
 import uuid
 import warnings
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import numpy as np
 

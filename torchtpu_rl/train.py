@@ -168,9 +168,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Defaults < the ``--config`` file < command-line flags."""
     parser = build_parser()
     first, _ = parser.parse_known_args(argv)
+    lists = {}
     if first.config:
-        parser.set_defaults(**load_config(first.config, parser))
+        cfg = load_config(first.config, parser)
+        # repeatable flags given on the command line replace the file's list (argparse would append to it)
+        appends = {a.dest for a in parser._actions if isinstance(a, argparse._AppendAction)}
+        lists = {k: cfg.pop(k) for k in list(cfg) if k in appends}
+        parser.set_defaults(**cfg)
     args = parser.parse_args(argv)
+    for k, v in lists.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if args.bf16:
         args.dtype = "bfloat16"
     return args
@@ -227,7 +235,8 @@ def _check_resume(ckpt: str, args, fingerprint: dict) -> dict:
     diff = [k for k in sorted(set(fingerprint) | set(meta["model_fingerprint"]))
             if fingerprint.get(k) != meta["model_fingerprint"].get(k)]
     if diff:
-        detail = ", ".join(f"{k}: {meta['model_fingerprint'].get(k)!r} there, {fingerprint.get(k)!r} here" for k in diff)
+        theirs = meta["model_fingerprint"]
+        detail = ", ".join(f"{k}: {theirs.get(k)!r} there, {fingerprint.get(k)!r} here" for k in diff)
         raise TrainError(f"refusing to resume from {ckpt!r}: it was made with model {meta['model']!r}, a different "
                          f"model from --model {args.model!r} ({detail})")
     if meta.get("dtype", "float32") != args.dtype:
@@ -247,7 +256,8 @@ def _learner_kwargs(args) -> dict:
     if args.algo == "grpo":
         kw["group_size"] = args.group_size
     # the learner's scale options: passed only when asked for
-    extra = {"micro_batch_tokens": args.micro_batch_tokens, "gradient_checkpointing": args.gradient_checkpointing or None,
+    extra = {"micro_batch_tokens": args.micro_batch_tokens,
+             "gradient_checkpointing": args.gradient_checkpointing or None,
              "param_dtype": args.dtype if args.dtype != "float32" else None}
     accepted = inspect.signature(Learner.__init__).parameters
     for k, v in extra.items():
@@ -319,7 +329,8 @@ class _Outputs:
                "step_s": m["step_s"], "time": time.time()}
         skip = {"rollout_versions", "reward_mean", "reward_std"}
         for k, v in m.items():
-            if k not in row and k not in skip and k not in self.STEP_KEYS and (isinstance(v, (int, float)) or v is None):
+            numeric = isinstance(v, (int, float)) or v is None
+            if numeric and k not in row and k not in skip and k not in self.STEP_KEYS:
                 row[k] = v
         self._append(self.metrics_path, row)
         for k, v in row.items():

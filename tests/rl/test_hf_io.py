@@ -129,7 +129,8 @@ def test_wrong_directories_are_refused_naming_what_they_hold(qwen_dir, tmp_path)
     bert = tmp_path / "bert"
     BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                intermediate_size=64)).save_pretrained(bert)
-    with pytest.raises(ValueError, match=r"bert' is not a causal language model: it was saved as \['BertForMaskedLM'\]"):
+    with pytest.raises(ValueError, match=r"bert' is not a causal language model: it was saved as "
+                                         r"\['BertForMaskedLM'\]"):
         hf.load_policy(bert)
     vit = tmp_path / "vit"
     vit.mkdir()

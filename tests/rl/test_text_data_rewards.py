@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from torchtpu_rl import data, rewards
+from torchtpu_rl import rewards
 from torchtpu_rl.data import PromptDataset, load_prompts
 from torchtpu_rl.rewards import RewardFunctionError, RewardSet
 
@@ -164,7 +164,8 @@ def test_resolve_reward_by_name_module_and_file(tmp_path, monkeypatch):
     assert fn(prompts=[""], completions=[""], completion_ids=[[0] * 16]) == [-1.0]
     assert rewards.resolve_reward("torchtpu_rl.rewards:math_answer") == ("math_answer", rewards.math_answer)
     f = tmp_path / "my_rewards.py"
-    f.write_text("def short(prompts, completions, **kw):\n    return [1.0 if len(c) < 5 else 0.0 for c in completions]\n"
+    f.write_text("def short(prompts, completions, **kw):\n"
+                 "    return [1.0 if len(c) < 5 else 0.0 for c in completions]\n"
                  "NOT_A_FUNCTION = 3\n")
     name, fn = rewards.resolve_reward(f"{f}:short")
     assert name == "short" and fn(prompts=["", ""], completions=["ok", "too long"]) == [1.0, 0.0]
