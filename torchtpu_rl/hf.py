@@ -36,6 +36,7 @@ __all__ = [
     "check_tokenizer_fits",
     "model_fingerprint",
     "resolve_dtype",
+    "reward_model_config",
     "reward_scores",
     "save_hf",
 ]
@@ -224,9 +225,18 @@ def load_reward_model(model_dir, dtype="float32", device="tpu"):
     """An ``AutoModelForSequenceClassification`` with one label (the reward) from a local directory,
     in eval mode on ``device``."""
     from transformers import AutoModelForSequenceClassification
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
     what = "load_reward_model"
+    reward_model_config(model_dir, what)
+    model = _from_pretrained(AutoModelForSequenceClassification, os.fspath(model_dir), resolve_dtype(dtype), what)
+    return model.to(device).eval()
+
+
+def reward_model_config(model_dir, what: str = "reward_model_config"):
+    """The config of a one-label sequence-classification directory; anything else is refused naming the
+    directory and what it holds (reads config.json only)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+
     d = _model_dir(model_dir, what)
     cfg = _config(d, what)
     archs = list(getattr(cfg, "architectures", None) or [])
@@ -237,8 +247,7 @@ def load_reward_model(model_dir, dtype="float32", device="tpu"):
                          f"which AutoModelForSequenceClassification cannot load")
     if getattr(cfg, "num_labels", 1) != 1:
         raise ValueError(f"{what}: {d!r} has num_labels={cfg.num_labels}; a reward model has one output (num_labels=1)")
-    model = _from_pretrained(AutoModelForSequenceClassification, d, resolve_dtype(dtype), what)
-    return model.to(device).eval()
+    return cfg
 
 
 def _token_scores(model, ids, mask):

@@ -38,6 +38,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import Optional
 
 __all__ = ["build_parser", "load_config", "main", "parse_args"]
@@ -242,8 +243,14 @@ def _check_resume(ckpt: str, args, fingerprint: dict) -> dict:
     if meta.get("dtype", "float32") != args.dtype:
         raise TrainError(f"refusing to resume from {ckpt!r}: its weights are {meta.get('dtype')}, this run asks for "
                          f"{args.dtype} (--dtype)")
+    if meta.get("seed") != args.seed:
+        raise TrainError(f"refusing to resume from {ckpt!r}: it was made with --seed {meta.get('seed')}, this run has "
+                         f"--seed {args.seed} (rollout seeds and the data order follow the seed)")
     if not os.path.isfile(os.path.join(ckpt, "state.pt")):
         raise TrainError(f"--resume {ckpt!r}: state.pt is missing")
+    if meta.get("data") != os.path.abspath(args.data):
+        warnings.warn(f"resuming from {ckpt!r} (made with --data {meta.get('data')!r}) on --data {args.data!r}: the "
+                      "data cursor continues at the same position", UserWarning, stacklevel=2)
     return meta
 
 
@@ -368,17 +375,19 @@ def plot_curves(out: str, title: str = "") -> str:
 
     rows, evals = _read_jsonl(os.path.join(out, "metrics.jsonl")), _read_jsonl(os.path.join(out, "eval.jsonl"))
     fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
+    handles = []
     if rows:
         steps = [r["step"] for r in rows]
-        ax[0].plot(steps, [r["reward_mean"] for r in rows], label="train reward (mean)")
+        handles += ax[0].plot(steps, [r["reward_mean"] for r in rows], label="train reward (mean)")
         if any(r.get("kl") is not None for r in rows):
             k = ax[0].twinx()
-            k.plot(steps, [r.get("kl") if r.get("kl") is not None else float("nan") for r in rows], color="C2",
-                   alpha=0.5, label="KL")
-            k.set_ylabel("KL to reference")
+            handles += k.plot(steps, [r.get("kl") if r.get("kl") is not None else float("nan") for r in rows],
+                              color="C2", alpha=0.5, label="KL to reference (right axis)")
+            k.set_ylabel("KL")
     ax[0].set_xlabel("step")
     ax[0].set_ylabel("reward")
-    ax[0].legend(loc="upper left")
+    if handles:
+        ax[0].legend(handles=handles, loc="upper left")
     ax[0].set_title(title or "training")
     if evals:
         es = [e["step"] for e in evals]
@@ -395,6 +404,10 @@ def plot_curves(out: str, title: str = "") -> str:
     return path
 
 
+def fingerprint_name(fp: dict) -> str:
+    return (fp.get("architectures") or [fp.get("model_type") or "model"])[0]
+
+
 def _accuracy(e: dict, reward_name: Optional[str]) -> Optional[float]:
     values = (e.get("values") or {}).get(reward_name) if reward_name else None
     if not values:
@@ -409,7 +422,7 @@ def _setup(args) -> dict:
 
     from . import hf
     from .data import load_prompts
-    from .rewards import RewardSet, resolve_reward
+    from .rewards import resolve_reward
     from .rollout import SamplingParams
 
     _check_args(args)
@@ -417,6 +430,8 @@ def _setup(args) -> dict:
     fingerprint = hf.model_fingerprint(args.model)
     tokenizer = hf.load_tokenizer(args.model)
     hf.check_tokenizer_fits(tokenizer, cfg, args.model)
+    if args.reward_model:
+        hf.reward_model_config(args.reward_model)
     ckpt = meta = None
     if args.resume:
         ckpt = _checkpoint_dir(args.resume)
@@ -448,7 +463,7 @@ def _setup(args) -> dict:
                                                            name="response")}
     return dict(tokenizer=tokenizer, fingerprint=fingerprint, ckpt=ckpt, meta=meta, dataset=dataset, eval_set=eval_set,
                 rewards=rewards, weights=weights, sampling=sampling, engine_kwargs=engine_kwargs,
-                learner_kwargs=_learner_kwargs(args), reward_set=RewardSet)
+                learner_kwargs=_learner_kwargs(args))
 
 
 def _save(driver, topo, args, fingerprint, out_ckpts: str) -> str:
@@ -482,6 +497,7 @@ def main(argv=None) -> dict:
 
     from . import hf
     from .driver import RLDriver, ray_session
+    from .rewards import RewardSet
     from .workers import ActorReward, make_topology
 
     os.makedirs(args.out, exist_ok=True)
@@ -500,7 +516,7 @@ def main(argv=None) -> dict:
             if topo.reward_actor is not None:
                 rewards.append(("reward_model", ActorReward(topo.reward_actor)))
                 weights.append(args.reward_model_weight)
-            reward_set = s["reward_set"](rewards, weights)
+            reward_set = RewardSet(rewards, weights)
             acc_name = reward_set.names[0]
             driver = RLDriver(topo, s["dataset"], reward_set, sampling=s["sampling"],
                               prompts_per_step=args.prompts_per_step, group_size=args.group_size, mode=args.mode,
@@ -550,7 +566,8 @@ def main(argv=None) -> dict:
             topo.shutdown()
     evals = _read_jsonl(os.path.join(args.out, "eval.jsonl"))
     rows = _read_jsonl(os.path.join(args.out, "metrics.jsonl"))
-    plot = plot_curves(args.out, f"{args.algo.upper()} on {os.path.basename(os.path.abspath(args.model))}")
+    name = f"{fingerprint_name(s['fingerprint'])} ({os.path.basename(os.path.abspath(args.model))})"
+    plot = plot_curves(args.out, f"{args.algo.upper()} on {name}")
     summary = {
         "algo": args.algo, "model": os.path.abspath(args.model), "steps": len(rows), "final_step": driver.step_idx,
         "resumed_from": s["ckpt"], "train_steps_this_run": len(history), "train_s": train_s,

@@ -68,6 +68,7 @@ def test_bfloat16_policy_reference_and_critic_from_one_directory(qwen_dir):
         hf.load_policy(qwen_dir, dtype="float16")
 
 
+@pytest.mark.filterwarnings("ignore:tokenizer of .* has no pad token")
 def test_save_hf_reloads_in_plain_transformers_to_the_same_logits(qwen_dir, tmp_path):
     """A policy trained on tpu (one AdamW step), saved with save_hf: transformers on CPU reloads it
     (safetensors, tied embeddings written once) to the same logits, with the tokenizer beside it."""

@@ -46,6 +46,13 @@ def run_inputs(tmp_path_factory):
     other = rl_text_arith.build_model(tok, hidden=48, layers=1, heads=2, seed=0)
     other.save_pretrained(d / "other_model")
     tok.save_pretrained(d / "other_model")
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    reward_model = Qwen2ForSequenceClassification(Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_labels=1, pad_token_id=tok.pad_token_id, max_position_embeddings=128))
+    reward_model.save_pretrained(d / "reward_model")
+    tok.save_pretrained(d / "reward_model")
     cfg = {
         "model": str(d / "model"), "data": _jsonl(d / "train.jsonl", rows), "prompt_key": "messages",
         # an untrained model's text matches "e" sometimes: the format reward gives the first steps a signal
@@ -134,14 +141,16 @@ def test_hf_output_is_the_trained_policy_for_plain_transformers(job_run, run_inp
 
 def test_resume_continues_the_run_exactly(job_run, run_inputs, ray_driver, xla_cache):
     """Resume from the job's step-1 checkpoint in this process: step 2 has the uninterrupted run's rewards and
-    losses; rows of later steps already in --out are dropped and written again."""
+    losses; rows of later steps already in --out are dropped and written again. A reward model (a Hugging Face
+    sequence classifier in a reward actor) joins the rewards with weight 0: scored, logged, not counted."""
     out, _ = job_run
     out2 = run_inputs / "resumed"
     out2.mkdir()
     (out2 / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _read(out / "metrics.jsonl")))
     summary = train.main(["--config", str(run_inputs / "run.yaml"), "--steps", str(STEPS), "--lr", "0.003",
                           "--resume", str(out / "checkpoints" / "step_1"), "--out", str(out2), "--no-progress",
-                          "--xla-cache", xla_cache, "--eval-data", ""])  # "" turns the file's eval off
+                          "--xla-cache", xla_cache, "--eval-data", "",  # "" turns the file's eval off
+                          "--reward-model", str(run_inputs / "reward_model"), "--reward-model-weight", "0"])
     assert summary["resumed_from"].endswith("step_1") and summary["train_steps_this_run"] == 1
     first = _read(out / "metrics.jsonl")
     again = _read(out2 / "metrics.jsonl")
@@ -150,6 +159,7 @@ def test_resume_continues_the_run_exactly(job_run, run_inputs, ray_driver, xla_c
         assert again[1][k] == first[1][k], k
     assert again[1]["pg_loss"] == pytest.approx(first[1]["pg_loss"], abs=1e-6)
     assert again[1]["kl"] == pytest.approx(first[1]["kl"], abs=1e-6)
+    assert isinstance(again[1]["reward/reward_model"], float) and "reward/reward_model" not in first[1]
     assert json.loads((out2 / "checkpoints" / "step_2" / "run.json").read_text())["policy_version"] == 2
 
 
@@ -161,6 +171,8 @@ def test_resume_of_another_algorithm_or_model_is_refused(job_run, run_inputs, ca
     with pytest.raises(train.TrainError, match=r"different model from --model .*other_model.*hidden_size: 32 there, "
                                                r"48 here"):
         train.main(base + ["--resume", str(out), "--model", str(run_inputs / "other_model")])
+    with pytest.raises(train.TrainError, match="made with --seed 3, this run has --seed 4"):
+        train.main(base + ["--resume", str(out), "--seed", "4"])
     assert train.cli(base + ["--resume", str(out / "checkpoints" / "step_1"), "--dtype", "bfloat16"]) == 2
     assert "its weights are float32, this run asks for bfloat16" in capsys.readouterr().err
     with pytest.raises(train.TrainError, match="no run.json"):
