@@ -205,3 +205,24 @@ def test_bad_inputs_are_named_before_any_actor_starts(run_inputs, tmp_path):
                     'reward = "math_answer"\nsteps = 7\nmode = "async"\n')
     args = train.parse_args(["--config", str(good), "--steps", "9"])
     assert (args.steps, args.mode, args.reward, args.prompt_key) == (9, "async", ["math_answer"], "prompt")
+
+
+def test_a_bad_reward_stops_the_run_naming_the_reward_and_the_sample(job_run, run_inputs, tmp_path, xla_cache):
+    """A reward function that returns NaN for the first prompt of step 1 (its name is in that prompt):
+    the run stops with RewardError naming the reward, the sample and its prompt."""
+    from torchtpu_rl import hf
+    from torchtpu_rl.data import load_prompts
+    from torchtpu_rl.driver import RewardError
+
+    tok = hf.load_tokenizer(run_inputs / "model")
+    ds = load_prompts(str(run_inputs / "train.jsonl"), tok, "messages", seed=3)  # the run's seed: its order
+    name = ds.text(ds.take(1)[0][0]).removeprefix("<|user|>").split()[0]
+    f = tmp_path / "flaky.py"
+    f.write_text(f"def nan_for_{name}(prompts, completions, **columns):\n"
+                 f"    return [float('nan') if '{name} has' in p else 0.0 for p in prompts]\n")
+    with pytest.raises(RewardError, match=rf"reward for sample 0 RewardFunctionError: reward 'nan_for_{name}' "
+                                          rf"returned nan \(prompt=<\|user\|>{name} has"):
+        train.main(["--config", str(run_inputs / "run.yaml"), "--steps", "1", "--out", str(tmp_path / "o"),
+                    "--reward", f"{f}:nan_for_{name}", "--reward-weight", "1", "--eval-data", "", "--no-progress",
+                    "--xla-cache", xla_cache])
+
