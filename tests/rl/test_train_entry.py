@@ -226,3 +226,23 @@ def test_a_bad_reward_stops_the_run_naming_the_reward_and_the_sample(job_run, ru
                     "--reward", f"{f}:nan_for_{name}", "--reward-weight", "1", "--eval-data", "", "--no-progress",
                     "--xla-cache", xla_cache])
 
+
+
+def test_example_builds_a_model_directory_with_a_warm_up(tmp_path):
+    """examples/rl_text_arith.py's first half: data, tokenizer with chat template, Qwen2 model, a few warm-up
+    steps on tpu (the loss falls), saved as a directory the entry point loads."""
+    from torchtpu_rl import hf
+    from torchtpu_rl.data import load_prompts
+
+    prep = rl_text_arith.prepare(str(tmp_path), n_train=64, n_eval=8, hidden=32, layers=1, sft_steps=3,
+                                 log=lambda *a: None)
+    (s0, first), (s2, last) = prep["sft_losses"]
+    assert (s0, s2) == (0, 2) and last < first
+    tok = hf.load_tokenizer(prep["model"])
+    assert tok.chat_template and tok.pad_token == "<pad>"
+    policy = hf.load_policy(prep["model"], device="cpu")
+    assert type(policy).__name__ == "Qwen2ForCausalLM" and policy.config.vocab_size == len(tok)
+    ds = load_prompts(prep["eval"], tok, "messages")
+    assert len(ds) == 8 and ds.texts[0].startswith("<|user|>") and ds.texts[0].endswith("<|assistant|>")
+    rl_text_arith.main(["--data-only", "--out", str(tmp_path / "d"), "--train-size", "10", "--eval-size", "3"])
+    assert len(_read(tmp_path / "d" / "data" / "eval.jsonl")) == 3
