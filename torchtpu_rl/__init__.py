@@ -6,7 +6,9 @@ in :mod:`.hf_cache`, imported on first use), GRPO/PPO losses and
 estimators (:mod:`.algorithms`) and the learner (:mod:`.learner`). On Ray:
 rollout / learner / reward actors (:mod:`.workers`), versioned bucketed weight
 sync (:mod:`.weight_sync`), the driver loop (:mod:`.driver`) and checkpoints
-(:mod:`.checkpoint`).
+(:mod:`.checkpoint`). Text: Hugging Face checkpoints (:mod:`.hf`), prompts from files
+(:mod:`.data`), TRL-style reward functions (:mod:`.rewards`), and the entry point
+``python -m torchtpu_rl.train`` (:mod:`.train`).
 """
 
 from . import algorithms
@@ -46,6 +48,9 @@ from .weight_sync import (  # noqa: E402
     tensor_checksums,
 )
 from .workers import LearnerWorker, RewardModelActor, RolloutWorker, Topology, make_topology  # noqa: E402
+from . import data, hf, rewards  # noqa: E402  (text in, text out: Hugging Face checkpoints, prompts, rewards)
+from .data import load_prompts  # noqa: E402
+from .rewards import RewardSet  # noqa: E402
 
 __all__ = [
     "BucketPlan",
@@ -92,4 +97,9 @@ __all__ = [
     "value_loss",
     "is_hf_model",
     "position_ids_from_mask",
+    "RewardSet",
+    "data",
+    "hf",
+    "load_prompts",
+    "rewards",
 ]

@@ -13,7 +13,10 @@
    driver, or the topology's reward actor; a reward that raises or is NaN is
    reported with the offending sample and stops the run
    (``on_reward_error="stop"``) or scores ``reward_on_error`` and goes on
-   (``"continue"``);
+   (``"continue"``). With a ``tokenizer`` (text mode) the reward sees text:
+   the prompts' texts (``PromptDataset.texts``), the decoded completions, and
+   per sample the dataset's other columns plus ``completion_ids`` -- what a
+   :class:`~torchtpu_rl.rewards.RewardSet` of TRL-style functions takes;
 4. the learner trains on the batch (policy version v -> v + 1);
 5. weight sync learner -> workers (one control call per actor).
 
@@ -35,11 +38,12 @@ import os
 import time
 import uuid
 import warnings
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import numpy as np
 
 from . import weight_sync as ws
+from .data import PromptDataset
 from .workers import RolloutRequest, RolloutResult, Topology, WorkerNotReady
 
 __all__ = [
@@ -87,62 +91,6 @@ def ray_session(run_dir: Optional[str] = None, *, num_cpus: int = 2, object_stor
         head.stop()
 
 
-# ------------------------------------------------------------------ data
-class PromptDataset:
-    """Prompts with metadata (e.g. the answer), served in a seeded order with a cursor.
-
-    ``items``: a sequence of ``(prompt_token_ids, metadata)``. Epoch ``e`` visits the items in
-    the permutation seeded by ``(seed, e)``; the cursor counts prompts served, so
-    ``state_dict()`` is one int and resuming continues with the very next prompt.
-    """
-
-    def __init__(self, items: Sequence, seed: int = 0, shuffle: bool = True):
-        items = list(items)
-        if not items:
-            raise ValueError("PromptDataset: items is empty")
-        for i, it in enumerate(items):
-            if not (isinstance(it, (tuple, list)) and len(it) == 2):
-                raise TypeError(f"PromptDataset: item {i} must be a (prompt_token_ids, metadata) pair")
-            if not isinstance(it[0], (list, tuple)) or not it[0]:
-                raise ValueError(f"PromptDataset: item {i} has an empty or non-list prompt")
-        self.items = items
-        self.seed = int(seed)
-        self.shuffle = bool(shuffle)
-        self.cursor = 0
-        self._orders: dict = {}
-
-    def __len__(self):
-        return len(self.items)
-
-    def _order(self, epoch: int):
-        o = self._orders.get(epoch)
-        if o is None:
-            n = len(self.items)
-            o = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n))
-            self._orders = {epoch: o}  # one epoch at a time is enough
-        return o
-
-    def take(self, n: int) -> list:
-        """The next ``n`` items as ``(dataset_index, prompt, metadata)``."""
-        out = []
-        for _ in range(n):
-            e, k = divmod(self.cursor, len(self.items))
-            idx = int(self._order(e)[k])
-            p, meta = self.items[idx]
-            out.append((idx, list(p), meta))
-            self.cursor += 1
-        return out
-
-    def state_dict(self) -> dict:
-        return {"cursor": self.cursor, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        if int(state["seed"]) != self.seed:
-            raise ValueError(f"PromptDataset: checkpoint was made with seed {state['seed']}, this dataset has "
-                             f"seed {self.seed}")
-        self.cursor = int(state["cursor"])
-
-
 class RewardError(RuntimeError):
     """A reward function raised or returned a non-finite value for a sample."""
 
@@ -158,6 +106,9 @@ class _StepRollouts:
     requests: list  # RolloutRequest
     results: dict  # request_id -> RolloutResult
     refs: dict  # ObjectRef -> (request, worker index)
+
+
+_EVAL_STREAM = 2**31 - 1  # the "step" of evaluation seeds: never a training step
 
 
 def _seed_for(seed: int, step: int, request: int) -> int:
@@ -189,7 +140,7 @@ class RLDriver:
                  sampling=None, prompts_per_step: int = 8, group_size: int = 4, mode: str = "sync",
                  max_staleness: int = 1, transport: str = "object_store", collective_backend: Optional[str] = None,
                  requests_per_worker: int = 1, seed: int = 0, on_reward_error: str = "stop",
-                 reward_on_error: float = 0.0, recovery_timeout_s: float = 120.0):
+                 reward_on_error: float = 0.0, recovery_timeout_s: float = 120.0, tokenizer=None):
         from .rollout import SamplingParams
 
         if mode not in ("sync", "async"):
@@ -223,6 +174,10 @@ class RLDriver:
         self.on_reward_error = on_reward_error
         self.reward_on_error = float(reward_on_error)
         self.recovery_timeout_s = recovery_timeout_s
+        if tokenizer is not None and dataset.texts is None:
+            raise ValueError("RLDriver: a tokenizer (text mode) needs a dataset of text prompts "
+                             "(torchtpu_rl.data.load_prompts)")
+        self.tokenizer = tokenizer
 
         self.step_idx = 0  # the next step to train
         self._next_launch = 0  # the next step whose rollouts are not queued yet
@@ -439,10 +394,13 @@ class RLDriver:
             return list(ray.get(self.topo.reward_actor.score.remote(ps, rs, ms)))
 
         errors = []
+        extra = {}
         try:
             vals = call(prompts, responses, metas)
             if len(vals) != len(prompts):
                 raise RewardError(f"reward function returned {len(vals)} values for {len(prompts)} samples")
+            # per-reward means of a RewardSet (only when the batch was scored in one call)
+            extra = dict(getattr(self.reward_fn, "last_metrics", None) or {})
         except RewardError:
             raise
         except Exception:
@@ -478,7 +436,21 @@ class RLDriver:
                           RuntimeWarning, stacklevel=3)
             self.events.append({"event": "reward_error", "step": self.step_idx, "count": len(errors),
                                 "first": sample, "why": why})
-        return [self.reward_on_error if f is None else f for f in out], len(errors)
+        return [self.reward_on_error if f is None else f for f in out], len(errors), extra
+
+    def _reward_inputs(self, items, batch, group_size: int, dataset: PromptDataset) -> tuple:
+        """What the reward sees for ``batch`` (rows: each of ``items``' prompts ``group_size``
+        times): token ids and metadata, or in text mode the prompts' texts, the decoded
+        completions and per sample the item's columns plus ``completion_ids``."""
+        responses = batch.responses()
+        metas = [m for _, _, m in items for _ in range(group_size)]
+        if self.tokenizer is None:
+            return batch.prompts(), responses, metas
+        texts = [dataset.text(idx) for idx, _, _ in items for _ in range(group_size)]
+        completions = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        metas = [{**(m if isinstance(m, dict) else {"metadata": m}), "completion_ids": r}
+                 for m, r in zip(metas, responses)]
+        return texts, completions, metas
 
     # ------------------------------------------------------------ the step
     def step(self) -> dict:
@@ -501,9 +473,9 @@ class RLDriver:
         results = [sr.results[r.request_id] for r in sr.requests]
         batch = RolloutBatch.concat([RolloutBatch.from_state(r.batch) for r in results])
         self.last_batch = batch
-        metas = [m for _, _, m in sr.items for _ in range(self.group_size)]
         t_r0 = time.perf_counter()
-        rewards, n_bad = self._score(batch.prompts(), batch.responses(), metas)
+        inputs = self._reward_inputs(sr.items, batch, self.group_size, self.dataset)
+        rewards, n_bad, reward_parts = self._score(*inputs)
         t_rew = time.perf_counter() - t_r0
         versions = batch.policy_version.tolist()
         lv = self._learner_version()
@@ -541,6 +513,7 @@ class RLDriver:
         for k, v in metrics.items():
             if isinstance(v, (int, float)) and k not in out:
                 out[k] = v
+        out.update(reward_parts)
         out["step_s"] = time.perf_counter() - t0
         self.history.append(out)
         return out
@@ -566,6 +539,50 @@ class RLDriver:
                     on_step(m)
         if self._sync_refs:
             self._finish_sync()
+        return out
+
+    # ------------------------------------------------------------ evaluation
+    def evaluate(self, dataset: PromptDataset, sampling=None, seed: int = 0) -> dict:
+        """Generate one response per prompt of ``dataset`` (greedy by default) on the rollout
+        workers and score it with the run's reward. Returns ``reward_mean``, ``samples``,
+        ``policy_version`` (the oldest version that generated), the per-sample ``rewards`` and,
+        for a :class:`~torchtpu_rl.rewards.RewardSet`, each reward's per-sample ``values`` and
+        means (``reward/<name>``). Training state (data cursor, seeds, versions) is untouched."""
+        from .rollout import RolloutBatch, SamplingParams
+
+        if not isinstance(dataset, PromptDataset):
+            raise TypeError(f"RLDriver.evaluate: dataset must be a PromptDataset, not {type(dataset).__name__}")
+        if self.tokenizer is not None and dataset.texts is None:
+            raise ValueError("RLDriver.evaluate: text mode needs a dataset of text prompts")
+        params = sampling if sampling is not None else dataclasses.replace(self.sampling, temperature=0.0)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"RLDriver.evaluate: sampling must be SamplingParams, not {type(params).__name__}")
+        if self.worker_version < 0 and not self._sync_refs:
+            self.sync_weights(wait=True)
+        t0 = time.perf_counter()
+        items = [(i, list(p), m) for i, (p, m) in enumerate(dataset.items)]
+        n_req = min(len(items), len(self.workers))
+        bounds = np.linspace(0, len(items), n_req + 1).astype(int)
+        # request ids below 0 never meet the training steps' (which count up from 0)
+        requests = [RolloutRequest(-1 - r, -1, [p for _, p, _ in items[bounds[r]:bounds[r + 1]]], params,
+                                   _seed_for(seed, _EVAL_STREAM, r)) for r in range(n_req)]
+        sr = _StepRollouts(-1, items, requests, {}, {})
+        for r, req in enumerate(requests):
+            self._submit(sr, req, r % len(self.workers))
+        self._collect(sr)
+        results = [sr.results[r.request_id] for r in requests]
+        batch = RolloutBatch.concat([RolloutBatch.from_state(r.batch) for r in results])
+        values = None
+        rewards, n_bad, parts = self._score(*self._reward_inputs(items, batch, 1, dataset))
+        if parts:
+            values = dict(getattr(self.reward_fn, "last_values", None) or {}) or None
+        rw = np.asarray(rewards, dtype=np.float64)
+        out = {"step": self.step_idx, "policy_version": int(batch.policy_version.min()), "samples": len(batch),
+               "reward_mean": float(rw.mean()), "reward_errors": n_bad,
+               "response_length_mean": float(batch.response_lengths.float().mean()),
+               "eval_s": time.perf_counter() - t0, "rewards": [float(x) for x in rewards], "values": values,
+               **parts}
+        self.last_eval_batch = batch
         return out
 
     # ------------------------------------------------------------ checkpoints

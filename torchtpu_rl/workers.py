@@ -35,6 +35,7 @@ from . import checkpoint as _ckpt
 from . import weight_sync as ws
 
 __all__ = [
+    "ActorReward",
     "LearnerWorker",
     "RewardModelActor",
     "RolloutRequest",
@@ -256,6 +257,12 @@ class LearnerWorker:
 
         return f"tcp://{ray.util.get_node_ip_address()}:{ws.free_port()}"
 
+    def save_hf(self, out_dir: str, tokenizer=None) -> str:
+        """The policy as a Hugging Face directory (``save_pretrained`` + tokenizer)."""
+        from . import hf
+
+        return hf.save_hf(self.policy, tokenizer, out_dir)
+
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str, driver_state: Optional[dict] = None) -> str:
         return _ckpt.save_checkpoint(path, self.learner, driver_state)
@@ -266,27 +273,44 @@ class LearnerWorker:
 
 class RewardModelActor:
     """Rewards computed in their own actor: a programmatic ``reward_fn`` (e.g. a sandboxed
-    checker) or a learned reward model ``model_fn() -> nn.Module`` mapping
-    ``(input_ids, attention_mask)`` to per-token scores (B, T) or logits (B, T, V); the
-    reward is the score at each sequence's last real token (for logits, its first channel).
+    checker), a learned reward model ``model_fn() -> nn.Module`` mapping
+    ``(input_ids, attention_mask)`` to per-token scores (B, T) or logits (B, T, V) (the reward
+    is the score at each sequence's last real token; for logits, its first channel), or a
+    Hugging Face ``AutoModelForSequenceClassification`` directory ``model_dir`` scoring
+    ``prompt + completion`` texts with its own tokenizer at the last real token, in bucketed
+    batches (:func:`torchtpu_rl.hf.reward_scores`).
     """
 
     def __init__(self, reward_fn: Optional[Callable] = None, model_fn: Optional[Callable] = None,
-                 device: str = "tpu", pad_id: int = 0):
-        if (reward_fn is None) == (model_fn is None):
-            raise ValueError("RewardModelActor: give exactly one of reward_fn and model_fn")
+                 device: str = "tpu", pad_id: int = 0, model_dir: Optional[str] = None, dtype: str = "float32"):
+        if sum(x is not None for x in (reward_fn, model_fn, model_dir)) != 1:
+            raise ValueError("RewardModelActor: give exactly one of reward_fn, model_fn and model_dir")
         self.reward_fn = reward_fn
         self.model = None
+        self.tokenizer = None
         self.pad_id = int(pad_id)
         self.device = device
-        if model_fn is not None:
+        if model_fn is not None or model_dir is not None:
             import torchtpu  # noqa: F401
 
+        if model_fn is not None:
             self.model = model_fn().to(device).eval()
+        if model_dir is not None:
+            from . import hf
+
+            self.model = hf.load_reward_model(model_dir, dtype=dtype, device=device)
+            self.tokenizer = hf.load_tokenizer(model_dir)
 
     def score(self, prompts: list, responses: list, metadata: list) -> list:
         if self.reward_fn is not None:
             return [float(r) for r in self.reward_fn(prompts, responses, metadata)]
+        if self.tokenizer is not None:
+            from . import hf
+
+            if not all(isinstance(x, str) for x in [*prompts, *responses]):
+                raise TypeError("RewardModelActor: a Hugging Face reward model scores text; give prompt and "
+                                "completion strings (RLDriver(tokenizer=...) decodes them)")
+            return hf.reward_scores(self.model, self.tokenizer, prompts, responses, device=self.device)
         seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
         L = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), L), self.pad_id, dtype=torch.int64)
@@ -304,6 +328,21 @@ class RewardModelActor:
             last = (mask.sum(1) - 1).to(self.device)
             vals = out.float().gather(1, last[:, None]).squeeze(1).cpu()
         return [float(v) for v in vals]
+
+
+class ActorReward:
+    """A reward actor as a TRL-style reward function ``fn(prompts, completions, **columns)``, so a
+    reward model can sit in a :class:`~torchtpu_rl.rewards.RewardSet` beside programmatic
+    rewards, with its own weight."""
+
+    def __init__(self, actor, name: str = "reward_model"):
+        self.actor = actor
+        self.__name__ = name
+
+    def __call__(self, prompts, completions, **columns):
+        import ray
+
+        return ray.get(self.actor.score.remote(list(prompts), list(completions), [{}] * len(prompts)))
 
 
 # ------------------------------------------------------------------ topology
@@ -342,11 +381,12 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
                   algo: str = "grpo", learner_kwargs: Optional[dict] = None, engine_kwargs: Optional[dict] = None,
                   seed: int = 0, bucket_bytes: int = ws.DEFAULT_BUCKET_BYTES,
                   reward_fn: Optional[Callable] = None, reward_model_fn: Optional[Callable] = None,
-                  reward_in_actor: bool = False, max_restarts: int = 3, worker_concurrency: int = 4,
-                  actor_options: Optional[dict] = None) -> Topology:
+                  reward_model_dir: Optional[str] = None, reward_in_actor: bool = False, max_restarts: int = 3,
+                  worker_concurrency: int = 4, actor_options: Optional[dict] = None) -> Topology:
     """Start the learner, ``num_rollout_workers`` rollout workers and (optionally) a reward actor
     on the connected Ray cluster. ``actor_options`` go to every ``.options()`` (e.g. a
-    ``scheduling_strategy`` from a ray_integration slice reservation)."""
+    ``scheduling_strategy`` from a ray_integration slice reservation). ``reward_model_dir``: a
+    Hugging Face sequence-classification directory for the reward actor."""
     import ray
 
     if not ray.is_initialized():
@@ -360,7 +400,9 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
     workers = [ray.remote(RolloutWorker).options(**wopts).remote(policy_fn, pad_id, i, engine_kwargs)
                for i in range(num_rollout_workers)]
     reward_actor = None
-    if reward_in_actor or reward_model_fn is not None:
+    if reward_model_dir is not None:
+        reward_actor = ray.remote(RewardModelActor).options(**base).remote(model_dir=os.fspath(reward_model_dir))
+    elif reward_in_actor or reward_model_fn is not None:
         reward_actor = ray.remote(RewardModelActor).options(**base).remote(
             reward_fn=None if reward_model_fn is not None else reward_fn, model_fn=reward_model_fn, pad_id=pad_id)
     return Topology(learner, workers, reward_actor, wopts, (policy_fn, pad_id, engine_kwargs))

@@ -1,0 +1,248 @@
+"""``python -m torchtpu_rl.train`` end to end on a small Hugging Face model made here: as a Ray job (config
+file + flags, metrics.jsonl, eval.jsonl, TensorBoard, curves, checkpoints, hf/ reloaded by plain
+transformers), then resumed in this process from its checkpoint (the same step as the uninterrupted run),
+resumes of another model or algorithm refused, and bad inputs named before any actor starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import rl_text_arith  # noqa: E402
+
+from torchtpu_rl import train  # noqa: E402
+
+STEPS = 2
+
+
+def _jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def _read(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def run_inputs(tmp_path_factory):
+    """A tiny Qwen2 model + BPE tokenizer with a chat template (the example's, untrained), train and eval
+    jsonl of chat prompts with an ``answer`` column, a YAML config, and a reward file."""
+    d = tmp_path_factory.mktemp("train_entry")
+    rows, held = rl_text_arith.make_splits(64, 8, seed=1)
+    tok = rl_text_arith.build_tokenizer(rows + held)
+    model = rl_text_arith.build_model(tok, hidden=32, layers=1, heads=2, seed=0)
+    model.save_pretrained(d / "model")
+    tok.save_pretrained(d / "model")
+    other = rl_text_arith.build_model(tok, hidden=48, layers=1, heads=2, seed=0)
+    other.save_pretrained(d / "other_model")
+    tok.save_pretrained(d / "other_model")
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    reward_model = Qwen2ForSequenceClassification(Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_labels=1, pad_token_id=tok.pad_token_id, max_position_embeddings=128))
+    reward_model.save_pretrained(d / "reward_model")
+    tok.save_pretrained(d / "reward_model")
+    cfg = {
+        "model": str(d / "model"), "data": _jsonl(d / "train.jsonl", rows), "prompt_key": "messages",
+        # an untrained model's text matches "e" sometimes: the format reward gives the first steps a signal
+        "reward": ["math_answer", "format"], "reward_weight": [1.0, 0.1], "format_regex": "e",
+        "algo": "grpo", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "temperature": 1.0,
+        "lr": 0.5, "kl_coef": 0.01, "eval_data": _jsonl(d / "eval.jsonl", held), "max_prompt_tokens": 32,
+        "seed": 3,
+    }
+    import yaml
+
+    (d / "run.yaml").write_text(yaml.safe_dump(cfg))
+    return d
+
+
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("xla_cache"))
+
+
+@pytest.fixture(scope="module")
+def job_run(ray_driver, run_inputs, xla_cache):
+    """The entry point as a Ray job: the YAML config plus flags (``--lr`` overrides the file's)."""
+    from ray_integration import jobs
+
+    out = run_inputs / "out"
+    cmd = [sys.executable, "-m", "torchtpu_rl.train", "--config", str(run_inputs / "run.yaml"), "--steps",
+           str(STEPS), "--lr", "0.003", "--save-every", "1", "--eval-every", "2", "--out", str(out), "--no-progress",
+           "--xla-cache", xla_cache]
+    env = {"OMP_NUM_THREADS": "1", "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+    job = jobs.submit(ray_driver.dashboard_url, cmd, env_vars=env)
+    status = jobs.wait(ray_driver.dashboard_url, job, timeout_s=600)
+    log = jobs.logs(ray_driver.dashboard_url, job)
+    assert status == "SUCCEEDED", log[-4000:]
+    return out, log
+
+
+def test_train_runs_as_a_ray_job_and_writes_every_output(job_run, ray_driver, run_inputs):
+    out, log = job_run
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ray_address"] == ray_driver.address  # connected to the cluster, not a head of its own
+    rows = _read(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and [r["policy_version"] for r in rows] == [1, 2]
+    for r in rows:
+        for k in ("reward_mean", "kl", "response_length_mean", "rollout_s", "reward_s", "learn_s", "sync_s",
+                  "reward/math_answer", "reward/format", "pg_loss", "grad_norm"):
+            assert isinstance(r[k], (int, float)), (k, r)
+        assert 0 < r["response_length_mean"] <= 8 and r["samples"] == 8
+    evals = _read(out / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2] and all(e["samples"] == 8 for e in evals)
+    assert all(0.0 <= e["accuracy"] <= 1.0 and "reward/math_answer" in e for e in evals)
+    # TensorBoard: the same scalars, one point per step
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/reward_mean")] == [1, 2]
+    assert [e.step for e in acc.Scalars("eval/accuracy")] == [0, 2]
+    assert (out / "curves.png").stat().st_size > 5000
+    for s in (1, 2):
+        meta = json.loads((out / "checkpoints" / f"step_{s}" / "run.json").read_text())
+        assert meta["step"] == s and meta["algo"] == "grpo"
+        assert (out / "checkpoints" / f"step_{s}" / "state.pt").exists()
+    assert meta["config"]["lr"] == 0.003 and meta["config"]["group_size"] == 4  # flag over file, file over default
+    assert "rl:" not in log  # --no-progress
+
+
+def test_hf_output_is_the_trained_policy_for_plain_transformers(job_run, run_inputs):
+    """hf/ reloads in plain transformers on CPU to the logits of the learner's final weights (read from the
+    step-2 checkpoint), which differ from the initial model's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from torchtpu_rl.checkpoint import read_checkpoint
+
+    out, _ = job_run
+    reloaded = AutoModelForCausalLM.from_pretrained(out / "hf")
+    tok = AutoTokenizer.from_pretrained(out / "hf")
+    trained = AutoModelForCausalLM.from_pretrained(run_inputs / "model")
+    initial = AutoModelForCausalLM.from_pretrained(run_inputs / "model")
+    trained.load_state_dict(read_checkpoint(out / "checkpoints" / "step_2" / "state.pt")["learner"]["policy"])
+    ids = tok("<|user|>Ann has 3 pens. She gets 4 more.<|assistant|>The answer is 7.", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        got, want, before = reloaded(ids).logits, trained(ids).logits, initial(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - before).abs().max() > 1e-4
+
+
+def test_resume_continues_the_run_exactly(job_run, run_inputs, ray_driver, xla_cache):
+    """Resume from the job's step-1 checkpoint in this process: step 2 has the uninterrupted run's rewards and
+    losses; rows of later steps already in --out are dropped and written again. A reward model (a Hugging Face
+    sequence classifier in a reward actor) joins the rewards with weight 0: scored, logged, not counted."""
+    out, _ = job_run
+    out2 = run_inputs / "resumed"
+    out2.mkdir()
+    (out2 / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _read(out / "metrics.jsonl")))
+    summary = train.main(["--config", str(run_inputs / "run.yaml"), "--steps", str(STEPS), "--lr", "0.003",
+                          "--resume", str(out / "checkpoints" / "step_1"), "--out", str(out2), "--no-progress",
+                          "--xla-cache", xla_cache, "--eval-data", "",  # "" turns the file's eval off
+                          "--reward-model", str(run_inputs / "reward_model"), "--reward-model-weight", "0"])
+    assert summary["resumed_from"].endswith("step_1") and summary["train_steps_this_run"] == 1
+    first = _read(out / "metrics.jsonl")
+    again = _read(out2 / "metrics.jsonl")
+    assert [r["step"] for r in again] == [1, 2]
+    for k in ("reward_mean", "policy_version", "response_length_mean", "reward/math_answer"):
+        assert again[1][k] == first[1][k], k
+    assert again[1]["pg_loss"] == pytest.approx(first[1]["pg_loss"], abs=1e-6)
+    assert again[1]["kl"] == pytest.approx(first[1]["kl"], abs=1e-6)
+    assert isinstance(again[1]["reward/reward_model"], float) and "reward/reward_model" not in first[1]
+    assert json.loads((out2 / "checkpoints" / "step_2" / "run.json").read_text())["policy_version"] == 2
+
+
+def test_resume_of_another_algorithm_or_model_is_refused(job_run, run_inputs, capsys):
+    out, _ = job_run
+    base = ["--config", str(run_inputs / "run.yaml"), "--out", str(run_inputs / "refused")]
+    with pytest.raises(train.TrainError, match=r"step_2'.*checkpoint of a grpo run, this run is ppo"):
+        train.main(base + ["--resume", str(out), "--algo", "ppo"])  # a run directory: its latest checkpoint
+    with pytest.raises(train.TrainError, match=r"different model from --model .*other_model.*hidden_size: 32 there, "
+                                               r"48 here"):
+        train.main(base + ["--resume", str(out), "--model", str(run_inputs / "other_model")])
+    with pytest.raises(train.TrainError, match="made with --seed 3, this run has --seed 4"):
+        train.main(base + ["--resume", str(out), "--seed", "4"])
+    assert train.cli(base + ["--resume", str(out / "checkpoints" / "step_1"), "--dtype", "bfloat16"]) == 2
+    assert "its weights are float32, this run asks for bfloat16" in capsys.readouterr().err
+    with pytest.raises(train.TrainError, match="no run.json"):
+        train.main(base + ["--resume", str(run_inputs)])
+
+
+def test_bad_inputs_are_named_before_any_actor_starts(run_inputs, tmp_path):
+    cfg = ["--config", str(run_inputs / "run.yaml"), "--out", str(tmp_path / "o")]
+    with pytest.raises(train.TrainError, match=r"train.jsonl.*no column 'question'"):
+        train.main(cfg + ["--prompt-key", "question"])
+    with pytest.raises(train.TrainError, match=r"data file .*nope.jsonl.* does not exist"):
+        train.main(cfg + ["--data", str(tmp_path / "nope.jsonl")])
+    with pytest.raises(train.TrainError, match=r"is not a causal language model"):
+        from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+        Qwen2ForSequenceClassification(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                                   num_labels=1)).save_pretrained(tmp_path / "rm")
+        train.main(cfg + ["--model", str(tmp_path / "rm")])
+    with pytest.raises(train.TrainError, match="unknown reward 'accuracy'"):
+        train.main(cfg + ["--reward", "accuracy", "--reward-weight", "1"])
+    with pytest.raises(train.TrainError, match="1 --reward-weight for 2 --reward"):
+        train.main(cfg + ["--reward-weight", "1"])  # replaces the file's two weights
+    bad = tmp_path / "bad.toml"
+    bad.write_text('model = "m"\nlearning_rate = 0.1\n')
+    with pytest.raises(train.TrainError, match=r"bad.toml.*unknown option 'learning_rate'"):
+        train.main(["--config", str(bad)])
+    good = tmp_path / "good.toml"
+    good.write_text(f'model = "{run_inputs / "model"}"\ndata = "{run_inputs / "train.jsonl"}"\n'
+                    'reward = "math_answer"\nsteps = 7\nmode = "async"\n')
+    args = train.parse_args(["--config", str(good), "--steps", "9"])
+    assert (args.steps, args.mode, args.reward, args.prompt_key) == (9, "async", ["math_answer"], "prompt")
+
+
+def test_a_bad_reward_stops_the_run_naming_the_reward_and_the_sample(job_run, run_inputs, tmp_path, xla_cache):
+    """A reward function that returns NaN for the first prompt of step 1 (its name is in that prompt):
+    the run stops with RewardError naming the reward, the sample and its prompt."""
+    from torchtpu_rl import hf
+    from torchtpu_rl.data import load_prompts
+    from torchtpu_rl.driver import RewardError
+
+    tok = hf.load_tokenizer(run_inputs / "model")
+    ds = load_prompts(str(run_inputs / "train.jsonl"), tok, "messages", seed=3)  # the run's seed: its order
+    name = ds.text(ds.take(1)[0][0]).removeprefix("<|user|>").split()[0]
+    f = tmp_path / "flaky.py"
+    f.write_text(f"def nan_for_{name}(prompts, completions, **columns):\n"
+                 f"    return [float('nan') if '{name} has' in p else 0.0 for p in prompts]\n")
+    with pytest.raises(RewardError, match=rf"reward for sample 0 RewardFunctionError: reward 'nan_for_{name}' "
+                                          rf"returned nan \(prompt=<\|user\|>{name} has"):
+        train.main(["--config", str(run_inputs / "run.yaml"), "--steps", "1", "--out", str(tmp_path / "o"),
+                    "--reward", f"{f}:nan_for_{name}", "--reward-weight", "1", "--eval-data", "", "--no-progress",
+                    "--xla-cache", xla_cache])
+
+
+
+def test_example_builds_a_model_directory_with_a_warm_up(tmp_path):
+    """examples/rl_text_arith.py's first half: data, tokenizer with chat template, Qwen2 model, a few warm-up
+    steps on tpu (the loss falls), saved as a directory the entry point loads."""
+    from torchtpu_rl import hf
+    from torchtpu_rl.data import load_prompts
+
+    prep = rl_text_arith.prepare(str(tmp_path), n_train=64, n_eval=8, hidden=32, layers=1, sft_steps=3,
+                                 log=lambda *a: None)
+    (s0, first), (s2, last) = prep["sft_losses"]
+    assert (s0, s2) == (0, 2) and last < first
+    tok = hf.load_tokenizer(prep["model"])
+    assert tok.chat_template and tok.pad_token == "<pad>"
+    policy = hf.load_policy(prep["model"], device="cpu")
+    assert type(policy).__name__ == "Qwen2ForCausalLM" and policy.config.vocab_size == len(tok)
+    ds = load_prompts(prep["eval"], tok, "messages")
+    assert len(ds) == 8 and ds.texts[0].startswith("<|user|>") and ds.texts[0].endswith("<|assistant|>")
+    rl_text_arith.main(["--data-only", "--out", str(tmp_path / "d"), "--train-size", "10", "--eval-size", "3"])
+    assert len(_read(tmp_path / "d" / "data" / "eval.jsonl")) == 3

@@ -1,0 +1,587 @@
+"""``python -m torchtpu_rl.train``: GRPO / PPO post-training of a Hugging Face causal LM on text.
+
+    python -m torchtpu_rl.train --model DIR --data train.jsonl --prompt-key question \\
+        --reward math_answer --reward format --reward-weight 1 --reward-weight 0.1 \\
+        --algo grpo --steps 200 --prompts-per-step 8 --group-size 8 --max-new-tokens 256 \\
+        --eval-data test.jsonl --eval-every 20 --out runs/my_run
+
+Every flag can also come from a YAML or TOML file (``--config run.yaml``; keys are the
+flag names, with ``-`` or ``_``); flags given on the command line override it.
+
+Outputs in ``--out``:
+
+- ``metrics.jsonl``: one JSON object per step, appended when the step ends (``step``,
+  ``reward_mean``, ``kl``, ``response_length_mean``, ``policy_version``, the seconds of each
+  phase ``rollout_s`` / ``reward_s`` / ``learn_s`` / ``sync_s``, each reward's mean
+  ``reward/<name>``, the learner's losses and statistics, ...);
+- ``eval.jsonl``: greedy decoding of ``--eval-data`` before training, every ``--eval-every``
+  steps and at the end (``accuracy``: the fraction of samples the first reward scores >= 1,
+  ``reward_mean`` and each reward's mean);
+- ``tb/``: TensorBoard event files of the same scalars; ``curves.png``: reward and eval curves;
+- ``checkpoints/step_N/``: ``state.pt`` (policy, reference, critic, optimizers, RNG, data
+  cursor, policy version: :mod:`torchtpu_rl.checkpoint`) and ``run.json`` (model, algorithm,
+  settings), every ``--save-every`` steps and at the end; ``--resume`` takes one (or a run
+  directory: its latest) and refuses one made by another model or algorithm;
+- ``hf/``: the trained policy (``save_pretrained``, safetensors) and the tokenizer;
+- ``summary.json``: the run's figures.
+
+It connects to Ray from ``RAY_ADDRESS`` (so it runs unchanged under ``ray job submit``) or
+starts a local head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from typing import Optional
+
+__all__ = ["build_parser", "load_config", "main", "parse_args"]
+
+RUN_FORMAT = "torchtpu_rl.train/1"
+
+
+class TrainError(ValueError):
+    """A problem with the run's inputs (flags, files, checkpoint); reported without a traceback."""
+
+
+# ------------------------------------------------------------------ command line and config file
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m torchtpu_rl.train",
+                                description="GRPO / PPO post-training of a Hugging Face causal LM on text prompts, "
+                                            "with rollout workers and a learner as Ray actors on tpu.")
+    a = p.add_argument
+    a("--config", help="YAML (.yaml/.yml) or TOML (.toml) file with any of these options; flags override it")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", help="local Hugging Face causal-LM directory (config.json, weights, tokenizer)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter dtype")
+    g.add_argument("--bf16", action="store_true", help="same as --dtype bfloat16")
+    g.add_argument("--data", help="training prompts: .jsonl or .parquet")
+    g.add_argument("--prompt-key", default="prompt", help="the prompt column (text or chat messages)")
+    g.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
+                   help="auto: chat-message prompts use the tokenizer's template, text stays text; on: text "
+                        "prompts become a user message too; off: refuse chat prompts")
+    g.add_argument("--max-prompt-tokens", type=int, default=512, help="the largest prompt bucket")
+    g.add_argument("--on-long-prompt", choices=("skip", "error"), default="skip",
+                   help="prompts above --max-prompt-tokens: skip and count them, or stop")
+    g = p.add_argument_group("rewards")
+    g.add_argument("--reward", action="append", default=None,
+                   help="a reward: built-in name (math_answer, format, length_penalty), MODULE:FUNCTION or "
+                        "FILE.py:FUNCTION, called as fn(prompts, completions, **columns); repeatable")
+    g.add_argument("--reward-weight", action="append", type=float, default=None,
+                   help="weight of each --reward, in order (default 1 each)")
+    g.add_argument("--reward-model", help="Hugging Face sequence-classification directory scored in a reward actor")
+    g.add_argument("--reward-model-weight", type=float, default=1.0)
+    g.add_argument("--format-regex", help="the pattern of the built-in 'format' reward")
+    g.add_argument("--length-buffer", type=int, help="the built-in length_penalty's soft zone, in tokens")
+    g.add_argument("--on-reward-error", choices=("stop", "continue"), default="stop",
+                   help="a reward that raises or returns NaN: stop the run, or score the sample 0 and go on")
+    g = p.add_argument_group("algorithm and sampling")
+    g.add_argument("--algo", choices=("grpo", "ppo"), default="grpo")
+    g.add_argument("--steps", type=int, default=100, help="training steps of the whole run (a resume continues)")
+    g.add_argument("--prompts-per-step", type=int, default=8)
+    g.add_argument("--group-size", type=int, default=8, help="responses sampled per prompt")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--lr", type=float, default=1e-6)
+    g.add_argument("--kl-coef", type=float, default=0.001, help="KL to the reference policy (0: no reference)")
+    g.add_argument("--ppo-epochs", type=int, default=1)
+    g.add_argument("--mini-batch-size", type=int, help="rows per optimizer step (default: the whole batch)")
+    g.add_argument("--micro-batch-size", type=int, help="rows per forward/backward (default: the mini-batch)")
+    g.add_argument("--micro-batch-tokens", type=int, help="micro-batches by a token budget instead of rows")
+    g.add_argument("--gradient-checkpointing", action="store_true")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
+    g = p.add_argument_group("topology")
+    g.add_argument("--rollout-workers", type=int, default=1)
+    g.add_argument("--mode", choices=("sync", "async"), default="sync")
+    g.add_argument("--max-staleness", type=int, default=1, help="async: trajectories at most this many versions old")
+    g.add_argument("--transport", choices=("object_store", "collective"), default="object_store")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("outputs")
+    g.add_argument("--out", default="runs/rl_train")
+    g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
+    g.add_argument("--eval-data", help="held-out prompts (.jsonl/.parquet), greedy-decoded and scored")
+    g.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (always before and at the end)")
+    g.add_argument("--eval-limit", type=int, help="use the first N eval prompts")
+    g.add_argument("--resume", help="checkpoints/step_N directory, or a run directory (its latest checkpoint)")
+    g.add_argument("--xla-cache", default=os.path.join("runs", "xla_cache"),
+                   help="persistent XLA compilation cache shared by the actors ('' to disable)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def load_config(path: str, parser: Optional[argparse.ArgumentParser] = None) -> dict:
+    """The options in a YAML or TOML file, keyed by their ``argparse`` names; an unknown key is an error
+    naming the file and the key."""
+    parser = parser or build_parser()
+    if not os.path.isfile(path):
+        raise TrainError(f"config file {path!r} does not exist")
+    low = path.lower()
+    try:
+        if low.endswith(".toml"):
+            import tomllib
+
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        elif low.endswith((".yaml", ".yml")):
+            import yaml
+
+            with open(path) as f:
+                raw = yaml.safe_load(f) or {}
+        else:
+            raise TrainError(f"config file {path!r}: use .yaml, .yml or .toml")
+    except TrainError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised naming the file
+        raise TrainError(f"cannot read config file {path!r}: {type(e).__name__}: {e}") from e
+    if not isinstance(raw, dict):
+        raise TrainError(f"config file {path!r} must hold a mapping of options, not a {type(raw).__name__}")
+    known = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    out = {}
+    for key, value in raw.items():
+        dest = str(key).replace("-", "_")
+        if dest not in known:
+            raise TrainError(f"config file {path!r}: unknown option {key!r} (options: "
+                             f"{', '.join(sorted(k.replace('_', '-') for k in known))})")
+        action = known[dest]
+        if isinstance(action, argparse._AppendAction) and not isinstance(value, list):
+            value = [value]
+        if action.choices is not None and value not in action.choices:
+            raise TrainError(f"config file {path!r}: {key} must be one of {list(action.choices)}, not {value!r}")
+        if action.type is not None and value is not None:
+            try:
+                value = [action.type(v) for v in value] if isinstance(value, list) else action.type(value)
+            except (TypeError, ValueError):
+                raise TrainError(f"config file {path!r}: {key}={value!r} is not a valid "
+                                 f"{getattr(action.type, '__name__', action.type)}") from None
+        out[dest] = value
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Defaults < the ``--config`` file < command-line flags."""
+    parser = build_parser()
+    first, _ = parser.parse_known_args(argv)
+    lists = {}
+    if first.config:
+        cfg = load_config(first.config, parser)
+        # repeatable flags given on the command line replace the file's list (argparse would append to it)
+        appends = {a.dest for a in parser._actions if isinstance(a, argparse._AppendAction)}
+        lists = {k: cfg.pop(k) for k in list(cfg) if k in appends}
+        parser.set_defaults(**cfg)
+    args = parser.parse_args(argv)
+    for k, v in lists.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.bf16:
+        args.dtype = "bfloat16"
+    return args
+
+
+# ------------------------------------------------------------------ checks
+def _check_args(args) -> None:
+    for name in ("model", "data"):
+        if not getattr(args, name):
+            raise TrainError(f"--{name} is required (on the command line or in --config)")
+    if not args.reward and not args.reward_model:
+        raise TrainError("give at least one --reward (or a --reward-model)")
+    for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "rollout_workers", "max_prompt_tokens",
+                 "ppo_epochs"):
+        v = getattr(args, name)
+        if v is None or v < (0 if name == "steps" else 1):
+            raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, not {v!r}")
+    for name in ("save_every", "eval_every", "max_staleness"):
+        if getattr(args, name) < 0:
+            raise TrainError(f"--{name.replace('_', '-')} must be >= 0")
+    if args.algo == "grpo" and args.group_size < 2:
+        raise TrainError("GRPO needs --group-size >= 2 (advantages are relative to the group)")
+    if args.reward_weight and len(args.reward_weight) != len(args.reward or []):
+        raise TrainError(f"{len(args.reward_weight)} --reward-weight for {len(args.reward or [])} --reward; give one "
+                         "weight per reward, in order")
+    if args.temperature <= 0:
+        raise TrainError("--temperature must be > 0 for training rollouts (evaluation is greedy)")
+
+
+def _checkpoint_dir(path: str) -> str:
+    """A checkpoint directory (has run.json and state.pt), or a run directory's latest."""
+    if os.path.isfile(os.path.join(path, "run.json")):
+        return path
+    ck = os.path.join(path, "checkpoints")
+    steps = []
+    if os.path.isdir(ck):
+        for name in os.listdir(ck):
+            if name.startswith("step_") and name[5:].isdigit() and os.path.isfile(os.path.join(ck, name, "run.json")):
+                steps.append(int(name[5:]))
+    if not steps:
+        raise TrainError(f"--resume {path!r}: not a checkpoint directory (no run.json) and no checkpoints/step_N "
+                         "inside it")
+    return os.path.join(ck, f"step_{max(steps)}")
+
+
+def _check_resume(ckpt: str, args, fingerprint: dict) -> dict:
+    with open(os.path.join(ckpt, "run.json")) as f:
+        meta = json.load(f)
+    if meta.get("format") != RUN_FORMAT:
+        raise TrainError(f"--resume {ckpt!r}: run.json has format {meta.get('format')!r}, expected {RUN_FORMAT!r}")
+    if meta["algo"] != args.algo:
+        raise TrainError(f"refusing to resume from {ckpt!r}: it is a checkpoint of a {meta['algo']} run, this run is "
+                         f"{args.algo} (--algo); its optimizer and critic state do not carry over")
+    diff = [k for k in sorted(set(fingerprint) | set(meta["model_fingerprint"]))
+            if fingerprint.get(k) != meta["model_fingerprint"].get(k)]
+    if diff:
+        theirs = meta["model_fingerprint"]
+        detail = ", ".join(f"{k}: {theirs.get(k)!r} there, {fingerprint.get(k)!r} here" for k in diff)
+        raise TrainError(f"refusing to resume from {ckpt!r}: it was made with model {meta['model']!r}, a different "
+                         f"model from --model {args.model!r} ({detail})")
+    if meta.get("dtype", "float32") != args.dtype:
+        raise TrainError(f"refusing to resume from {ckpt!r}: its weights are {meta.get('dtype')}, this run asks for "
+                         f"{args.dtype} (--dtype)")
+    if meta.get("seed") != args.seed:
+        raise TrainError(f"refusing to resume from {ckpt!r}: it was made with --seed {meta.get('seed')}, this run has "
+                         f"--seed {args.seed} (rollout seeds and the data order follow the seed)")
+    if not os.path.isfile(os.path.join(ckpt, "state.pt")):
+        raise TrainError(f"--resume {ckpt!r}: state.pt is missing")
+    if meta.get("data") != os.path.abspath(args.data):
+        warnings.warn(f"resuming from {ckpt!r} (made with --data {meta.get('data')!r}) on --data {args.data!r}: the "
+                      "data cursor continues at the same position", UserWarning, stacklevel=2)
+    return meta
+
+
+def _learner_kwargs(args) -> dict:
+    kw = dict(lr=args.lr, kl_coef=args.kl_coef, grad_clip=args.grad_clip or None, seed=args.seed,
+              ppo_epochs=args.ppo_epochs, mini_batch_size=args.mini_batch_size, micro_batch_size=args.micro_batch_size,
+              micro_batch_tokens=args.micro_batch_tokens, gradient_checkpointing=bool(args.gradient_checkpointing),
+              # bfloat16: the learner keeps float32 master weights and optimizer state
+              param_dtype=args.dtype)
+    if args.algo == "grpo":
+        kw["group_size"] = args.group_size
+    return kw
+
+
+# ------------------------------------------------------------------ outputs
+def _jsonable(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class _Outputs:
+    """metrics.jsonl, eval.jsonl and TensorBoard, appended as the run goes."""
+
+    STEP_KEYS = {"rollout_wait_s": "rollout_s", "learner_call_s": "learn_s"}
+
+    def __init__(self, out: str, resume_step: Optional[int]):
+        self.out = out
+        self.metrics_path = os.path.join(out, "metrics.jsonl")
+        self.eval_path = os.path.join(out, "eval.jsonl")
+        if resume_step is not None:  # rows of steps after the checkpoint are redone: drop them
+            for path in (self.metrics_path, self.eval_path):
+                self._truncate(path, resume_step)
+        else:  # a fresh run: no rows or event files of an earlier run in this directory
+            for path in (self.metrics_path, self.eval_path):
+                if os.path.exists(path):
+                    os.remove(path)
+            tb = os.path.join(out, "tb")
+            for name in (os.listdir(tb) if os.path.isdir(tb) else []):
+                if name.startswith("events.out.tfevents."):
+                    os.remove(os.path.join(tb, name))
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(os.path.join(out, "tb"), purge_step=(resume_step + 1) if resume_step else None)
+
+    @staticmethod
+    def _truncate(path: str, step: int) -> None:
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        with open(path, "w") as f:
+            for r in rows:
+                if r.get("step", 0) <= step:
+                    f.write(json.dumps(r) + "\n")
+
+    @staticmethod
+    def _append(path: str, row: dict) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def step(self, m: dict, last_sync: dict) -> dict:
+        row = {"step": m["step"], "policy_version": m["policy_version"], "reward_mean": m["reward_mean"],
+               "reward_std": m["reward_std"], "kl": m.get("kl"), "response_length_mean": m.get("response_length_mean"),
+               "rollout_s": m["rollout_wait_s"], "reward_s": m["reward_s"], "learn_s": m["learner_call_s"],
+               # async: the sync overlaps the next step; this is the last one that finished
+               "sync_s": m["sync_s"] if m.get("sync_s") is not None else last_sync.get("sync_s"),
+               "step_s": m["step_s"], "time": time.time()}
+        skip = {"rollout_versions", "reward_mean", "reward_std"}
+        for k, v in m.items():
+            numeric = isinstance(v, (int, float)) or v is None
+            if numeric and k not in row and k not in skip and k not in self.STEP_KEYS:
+                row[k] = v
+        self._append(self.metrics_path, row)
+        for k, v in row.items():
+            if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v):
+                self.tb.add_scalar(f"train/{k}", v, row["step"])
+        self.tb.flush()
+        return row
+
+    def eval(self, e: dict) -> dict:
+        row = {k: v for k, v in e.items() if k not in ("rewards", "values")}
+        self._append(self.eval_path, row)
+        for k, v in row.items():
+            if k != "step" and isinstance(v, (int, float)) and v is not None and math.isfinite(v):
+                self.tb.add_scalar(f"eval/{k}", v, row["step"])
+        self.tb.flush()
+        return row
+
+    def close(self):
+        self.tb.close()
+
+
+def _read_jsonl(path: str) -> list:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curves(out: str, title: str = "") -> str:
+    """``curves.png`` in ``out``: training reward (and KL) per step, eval accuracy / reward."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, evals = _read_jsonl(os.path.join(out, "metrics.jsonl")), _read_jsonl(os.path.join(out, "eval.jsonl"))
+    fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
+    handles = []
+    if rows:
+        steps = [r["step"] for r in rows]
+        handles += ax[0].plot(steps, [r["reward_mean"] for r in rows], label="train reward (mean)")
+        if any(r.get("kl") is not None for r in rows):
+            k = ax[0].twinx()
+            handles += k.plot(steps, [r.get("kl") if r.get("kl") is not None else float("nan") for r in rows],
+                              color="C2", alpha=0.5, label="KL to reference (right axis)")
+            k.set_ylabel("KL")
+    ax[0].set_xlabel("step")
+    ax[0].set_ylabel("reward")
+    if handles:
+        ax[0].legend(handles=handles, loc="upper left")
+    ax[0].set_title(title or "training")
+    if evals:
+        es = [e["step"] for e in evals]
+        if any(e.get("accuracy") is not None for e in evals):
+            ax[1].plot(es, [e.get("accuracy") for e in evals], "o-", label="eval accuracy")
+        ax[1].plot(es, [e["reward_mean"] for e in evals], "s--", label="eval reward (mean)")
+        ax[1].legend()
+    ax[1].set_xlabel("step")
+    ax[1].set_title("held-out (greedy)")
+    fig.tight_layout()
+    path = os.path.join(out, "curves.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def fingerprint_name(fp: dict) -> str:
+    return (fp.get("architectures") or [fp.get("model_type") or "model"])[0]
+
+
+def _accuracy(e: dict, reward_name: Optional[str]) -> Optional[float]:
+    values = (e.get("values") or {}).get(reward_name) if reward_name else None
+    if not values:
+        return None
+    return sum(1.0 for v in values if v is not None and v >= 1.0) / len(values)
+
+
+# ------------------------------------------------------------------ the run
+def _setup(args) -> dict:
+    """Everything that is checked before any actor starts: model, tokenizer, data, rewards, resume."""
+    from torchtpu.bucketing import BucketPolicy
+
+    from . import hf
+    from .data import load_prompts
+    from .rewards import resolve_reward
+    from .rollout import SamplingParams
+
+    _check_args(args)
+    cfg = hf.causal_lm_config(args.model)  # refuses a directory that is not a causal LM, before any actor starts
+    fingerprint = hf.model_fingerprint(args.model)
+    tokenizer = hf.load_tokenizer(args.model)
+    hf.check_tokenizer_fits(tokenizer, cfg, args.model)
+    if args.reward_model:
+        hf.reward_model_config(args.reward_model)
+    ckpt = meta = None
+    if args.resume:
+        ckpt = _checkpoint_dir(args.resume)
+        meta = _check_resume(ckpt, args, fingerprint)
+    chat = {"auto": None, "on": True, "off": False}[args.chat_template]
+    dataset = load_prompts(args.data, tokenizer, args.prompt_key, max_prompt_tokens=args.max_prompt_tokens,
+                           on_long_prompt=args.on_long_prompt, chat_template=chat, seed=args.seed)
+    eval_set = None
+    if args.eval_data:
+        eval_set = load_prompts(args.eval_data, tokenizer, args.prompt_key, max_prompt_tokens=args.max_prompt_tokens,
+                                on_long_prompt=args.on_long_prompt, chat_template=chat, seed=args.seed, shuffle=False,
+                                limit=args.eval_limit)
+    opts = {"max_new_tokens": args.max_new_tokens, "format_regex": args.format_regex,
+            "length_buffer": args.length_buffer}
+    rewards = [resolve_reward(s, **opts) for s in (args.reward or [])]
+    weights = list(args.reward_weight or [1.0] * len(rewards))
+    stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen_eos = hf.generation_eos_ids(args.model)
+    stops.update(gen_eos)
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, stop_token_ids=tuple(sorted(stops)))
+    top = getattr(cfg, "max_position_embeddings", None) or 4096
+    if args.max_prompt_tokens + args.max_new_tokens > top:
+        raise TrainError(f"--max-prompt-tokens {args.max_prompt_tokens} + --max-new-tokens {args.max_new_tokens} "
+                         f"exceed the model's max_position_embeddings {top}")
+    engine_kwargs = {"prompt_buckets": BucketPolicy.pow2(min(16, args.max_prompt_tokens), args.max_prompt_tokens,
+                                                         name="prompt"),
+                     "response_buckets": BucketPolicy.pow2(min(8, args.max_new_tokens), args.max_new_tokens,
+                                                           name="response")}
+    return dict(tokenizer=tokenizer, fingerprint=fingerprint, ckpt=ckpt, meta=meta, dataset=dataset, eval_set=eval_set,
+                rewards=rewards, weights=weights, sampling=sampling, engine_kwargs=engine_kwargs,
+                learner_kwargs=_learner_kwargs(args))
+
+
+def _save(driver, topo, args, fingerprint, out_ckpts: str) -> str:
+    d = os.path.join(out_ckpts, f"step_{driver.step_idx}")
+    os.makedirs(d, exist_ok=True)
+    driver.save_checkpoint(os.path.join(d, "state.pt"))
+    meta = {"format": RUN_FORMAT, "step": driver.step_idx, "policy_version": driver.learner_version,
+            "algo": args.algo, "model": os.path.abspath(args.model), "model_fingerprint": fingerprint,
+            "dtype": args.dtype, "seed": args.seed, "data": os.path.abspath(args.data),
+            "config": {k: v for k, v in vars(args).items()}, "saved_at": time.time()}
+    tmp = os.path.join(d, "run.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=2)
+    os.replace(tmp, os.path.join(d, "run.json"))  # run.json last: its presence marks a whole checkpoint
+    return d
+
+
+def main(argv=None) -> dict:
+    """Run training; returns the summary (also written to ``summary.json``)."""
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    if args.xla_cache:
+        os.environ.setdefault("TORCHTPU_COMPILATION_CACHE_DIR", os.path.abspath(args.xla_cache))
+    try:
+        s = _setup(args)
+    except TrainError:
+        raise
+    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
+        raise TrainError(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)) from e
+    import ray
+
+    from . import hf
+    from .driver import RLDriver, ray_session
+    from .rewards import RewardSet
+    from .workers import ActorReward, make_topology
+
+    os.makedirs(args.out, exist_ok=True)
+    tokenizer = s["tokenizer"]
+    policy_fn = functools.partial(hf.load_policy, os.path.abspath(args.model), dtype=args.dtype, device="cpu")
+    with ray_session():
+        ray_address = ray.get_runtime_context().gcs_address
+        topo = make_topology(policy_fn, tokenizer.pad_token_id, num_rollout_workers=args.rollout_workers,
+                             algo=args.algo, learner_kwargs=s["learner_kwargs"], engine_kwargs=s["engine_kwargs"],
+                             seed=args.seed,
+                             reward_model_dir=os.path.abspath(args.reward_model) if args.reward_model else None)
+        outputs = None
+        try:
+            rewards = list(s["rewards"])
+            weights = list(s["weights"])
+            if topo.reward_actor is not None:
+                rewards.append(("reward_model", ActorReward(topo.reward_actor)))
+                weights.append(args.reward_model_weight)
+            reward_set = RewardSet(rewards, weights)
+            acc_name = reward_set.names[0]
+            driver = RLDriver(topo, s["dataset"], reward_set, sampling=s["sampling"],
+                              prompts_per_step=args.prompts_per_step, group_size=args.group_size, mode=args.mode,
+                              max_staleness=args.max_staleness, transport=args.transport, seed=args.seed,
+                              on_reward_error=args.on_reward_error, tokenizer=tokenizer)
+            resume_step = None
+            if s["ckpt"]:
+                driver.load_checkpoint(os.path.join(s["ckpt"], "state.pt"))
+                resume_step = driver.step_idx
+                print(f"resumed from {s['ckpt']} at step {resume_step} (policy version {driver.learner_version})",
+                      flush=True)
+            outputs = _Outputs(args.out, resume_step)
+            ckpts = os.path.join(args.out, "checkpoints")
+            last = {"eval": None, "save": None}
+
+            def evaluate():
+                if s["eval_set"] is None:
+                    return None
+                e = driver.evaluate(s["eval_set"])
+                e["accuracy"] = _accuracy(e, acc_name)
+                last["eval"] = driver.step_idx
+                return outputs.eval(e)
+
+            first_eval = evaluate() if resume_step is None else None
+            history = []
+
+            def on_step(m):
+                history.append(outputs.step(m, driver.last_sync))
+                if args.eval_every and driver.step_idx % args.eval_every == 0:
+                    evaluate()
+                if args.save_every and driver.step_idx % args.save_every == 0:
+                    _save(driver, topo, args, s["fingerprint"], ckpts)
+                    last["save"] = driver.step_idx
+
+            remaining = max(0, args.steps - driver.step_idx)
+            t_train = time.perf_counter()
+            driver.run(remaining, progress=not args.no_progress, on_step=on_step)
+            train_s = time.perf_counter() - t_train
+            if last["save"] != driver.step_idx:
+                _save(driver, topo, args, s["fingerprint"], ckpts)
+            final_eval = evaluate() if last["eval"] != driver.step_idx else None
+            hf_dir = ray.get(topo.learner.save_hf.remote(os.path.abspath(os.path.join(args.out, "hf")), tokenizer))
+            events = driver.events
+        finally:
+            if outputs is not None:
+                outputs.close()
+            topo.shutdown()
+    evals = _read_jsonl(os.path.join(args.out, "eval.jsonl"))
+    rows = _read_jsonl(os.path.join(args.out, "metrics.jsonl"))
+    name = f"{fingerprint_name(s['fingerprint'])} ({os.path.basename(os.path.abspath(args.model))})"
+    plot = plot_curves(args.out, f"{args.algo.upper()} on {name}")
+    summary = {
+        "algo": args.algo, "model": os.path.abspath(args.model), "steps": len(rows), "final_step": driver.step_idx,
+        "resumed_from": s["ckpt"], "train_steps_this_run": len(history), "train_s": train_s,
+        "wall_s": time.perf_counter() - t_start, "prompts": len(s["dataset"]), "prompts_skipped": s["dataset"].skipped,
+        "first_reward": rows[0]["reward_mean"] if rows else None,
+        "final_reward": (sum(r["reward_mean"] for r in rows[-5:]) / len(rows[-5:])) if rows else None,
+        "eval_first": evals[0] if evals else None, "eval_final": evals[-1] if evals else None,
+        "hf_dir": hf_dir, "curves": plot, "ray_address": ray_address, "events": events,
+        "first_eval_this_run": first_eval, "final_eval_this_run": final_eval,
+    }
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2, default=str)
+    print(json.dumps({k: summary[k] for k in ("steps", "train_s", "first_reward", "final_reward")}, default=str))
+    if evals:
+        print(f"eval accuracy {evals[0].get('accuracy')} (step {evals[0]['step']}) -> {evals[-1].get('accuracy')} "
+              f"(step {evals[-1]['step']})", flush=True)
+    return summary
+
+
+def cli(argv=None) -> int:
+    try:
+        main(argv)
+    except TrainError as e:
+        print(f"python -m torchtpu_rl.train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
