@@ -63,7 +63,17 @@ MIXED_DEVICE = "Expected all tensors to be on the same device, but found at leas
 
 
 def _is_meta_leaf(x):
-    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype)
+    # (shape, dtype), or (shape, dtype, strides) when PyTorch's meta lays the output out otherwise
+    # than contiguously (channels_last, a permuted input's layout kept by an elementwise op)
+    return isinstance(x, tuple) and len(x) in (2, 3) and isinstance(x[1], torch.dtype)
+
+
+def _meta_leaf(t):
+    shape = tuple(t.shape)
+    stride = t.stride()
+    if _layout.is_contiguous(shape, stride) or not t.numel() or not _layout.is_dense(shape, stride):
+        return (shape, t.dtype)
+    return (shape, t.dtype, stride)
 
 
 class _Entry:
@@ -197,7 +207,10 @@ class Kernel:
                 sd.retype(dt)
             buf = sd.raw_buf
             bufs.append(buf)
-            return ((t.shape, t.stride(), t.storage_offset()), dt, buf.numel if type(buf) is LazyBuf else buf.size)
+            k = ((t.shape, t.stride(), t.storage_offset()), dt, buf.numel if type(buf) is LazyBuf else buf.size)
+            if t.is_conj() or t.is_neg():  # a lazy conj()/neg view: the executable applies the bits
+                return k + (_layout.math_bits(t),)
+            return k
         return self._other_key(t, bufs, dyn)
 
     def _other_key(self, t, bufs, dyn):
@@ -218,7 +231,9 @@ class Kernel:
         buf = storage_data(t).raw_buf
         bufs.append(buf)
         n = buf.numel if type(buf) is LazyBuf else buf.size
-        return ((t.shape, t.stride(), t.storage_offset()), t.dtype, n)
+        k = ((t.shape, t.stride(), t.storage_offset()), t.dtype, n)
+        bits = _layout.math_bits(t)
+        return k if bits is None else k + (bits,)
 
     # ---------------------------------------------------------------- building an executable
     def _meta_args(self, vals):
@@ -261,7 +276,7 @@ class Kernel:
                     k = key[1 + i]
                     numels.extend(x[2] for x in (k if self.kinds[i] in (_TL, _OTL) else (k,)))
             else:
-                numels = [math.prod(shape) for shape, _ in pytree.tree_leaves(out_meta, is_leaf=_is_meta_leaf)]
+                numels = [math.prod(m[0]) for m in pytree.tree_leaves(out_meta, is_leaf=_is_meta_leaf)]
             entry = _Entry(jax.jit(flat), out_meta, numels)
             if deferring():
                 # trace now, so a lowering error surfaces at the user's line, not at the flush
@@ -270,7 +285,7 @@ class Kernel:
             return entry
 
     def _compute_meta(self, vals):
-        """Output (shape, dtype) tree from PyTorch's meta kernel (None if there is none)."""
+        """Output (shape, dtype[, strides]) tree from PyTorch's meta kernel (None if there is none)."""
         margs = self._meta_args(vals)
         pos = margs[: self.npos]
         kw = {self.names[i]: margs[i] for i in range(self.npos, len(margs))}
@@ -287,7 +302,7 @@ class Kernel:
                 raise
         if self.inplace:
             return None
-        return pytree.tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t, out)
+        return pytree.tree_map(lambda t: _meta_leaf(t) if isinstance(t, torch.Tensor) else t, out)
 
     def _make_inner(self, key, vals, out_meta):
         """The traced function: flat buffers and dynamic scalars -> outputs (or new buffers)."""
@@ -307,7 +322,8 @@ class Kernel:
             def read_tensor(k):
                 if k[0] in _NOBUF:
                     return jnp.asarray(next(di))
-                return _layout.read(next(bi), k[0])
+                v = _layout.read(next(bi), k[0])
+                return v if len(k) == 3 else _layout.apply_math_bits(v, k[3])
 
             args = []
             for i, kind in enumerate(kinds):
@@ -339,7 +355,8 @@ class Kernel:
                     f"torchtpu lowering of {name} returned {len(flat_out)} outputs, PyTorch's meta gives {len(metas)}"
                 )
             fixed = []
-            for o, (shape, dt) in zip(flat_out, metas):
+            for o, m in zip(flat_out, metas):
+                shape, dt = m[0], m[1]
                 o = jnp.asarray(o)
                 if tuple(o.shape) != tuple(shape):
                     if o.ndim == 0:
@@ -351,7 +368,10 @@ class Kernel:
                             f"torchtpu lowering of {name} returned shape {tuple(o.shape)}, "
                             f"PyTorch's meta gives {tuple(shape)}"
                         )
-                fixed.append(o.astype(dtypes.to_jax(dt)))
+                o = o.astype(dtypes.to_jax(dt))
+                if len(m) > 2:  # a non-contiguous dense layout: the buffer holds the elements in its order
+                    o = _layout.to_physical(o, m[2])
+                fixed.append(o)
             return fixed
 
         return inner
@@ -363,23 +383,28 @@ class Kernel:
             it = iter(outs)
             for i in self.mutated:
                 v = vals[i]
+                # the new buffer holds the written tensor's dtype (another input over the same
+                # storage, a view(dtype), may have retyped it since the key was built)
                 if self.kinds[i] in (_TL, _OTL):
                     for t in v:
-                        t.untyped_storage()._tpu.buf = next(it)
+                        sd = t.untyped_storage()._tpu
+                        sd.buf = next(it)
+                        sd.dtype = t.dtype
                 else:
-                    v.untyped_storage()._tpu.buf = next(it)
+                    sd = v.untyped_storage()._tpu
+                    sd.buf = next(it)
+                    sd.dtype = v.dtype
             if self.n_returns == 0:
                 return None
             rets = [vals[i] for i in self.mutated]
             return rets[0] if len(rets) == 1 else tuple(rets)
         if entry.single:
-            shape, dt = entry.out_meta
-            return new_tensor(shape, dt, outs[0])
+            return new_tensor(*entry.out_meta[:2], outs[0], *entry.out_meta[2:])
         if entry.flat is not None:
-            tensors = [new_tensor(shape, dt, o) for (shape, dt), o in zip(entry.out_meta, outs)]
+            tensors = [new_tensor(*m[:2], o, *m[2:]) for m, o in zip(entry.out_meta, outs)]
             return tensors if entry.flat is list else tuple(tensors)
         leaves, treedef = entry.treedef
-        tensors = [new_tensor(shape, dt, o) for (shape, dt), o in zip(leaves, outs)]
+        tensors = [new_tensor(*m[:2], o, *m[2:]) for m, o in zip(leaves, outs)]
         return pytree.tree_unflatten(tensors, treedef)
 
 
@@ -467,6 +492,8 @@ def _write_mutated(name, key, kinds, mutated, bufs, flat_out):
             targets = [(k, _buffer_index(key, kinds, i, None))]
         for kk, bidx in targets:
             value = jnp.asarray(flat_out[pos])
+            if len(kk) > 3:  # written through a conj()/neg view: store what reads give back as value
+                value = _layout.apply_math_bits(value.astype(bufs[bidx].dtype), kk[3])
             size = tuple(kk[0][0])
             if jnp.broadcast_shapes(value.shape, size) != size:
                 raise RuntimeError(

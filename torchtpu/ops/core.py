@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -13,9 +12,8 @@ import torch
 from ..base import dtypes
 from ..dispatch.kernel import Kernel
 from ..dispatch.lowering import LOWERINGS, impl, lower
-from ..runtime import layout, storage
+from ..runtime import storage
 from ..runtime.device import check_device
-from ..runtime.storage import logical_value
 
 aten = torch.ops.aten
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -48,18 +46,15 @@ for _name in (
     impl(_qual)(_metadata_view(getattr(getattr(aten, _pkt), _ov)))
 
 
+_view_dtype_metadata = _metadata_view(aten.view.dtype)
+
+
 @impl("view.dtype")
 def _view_dtype(self, dtype):
-    if dtype == self.dtype:
-        return aten.alias.default(self)
-    if dtype.itemsize != self.dtype.itemsize:
-        raise RuntimeError(
-            f"torchtpu: view(dtype) between dtypes of different sizes ({self.dtype} -> {dtype}) "
-            "is not supported on tpu"
-        )
-    value = jax.lax.bitcast_convert_type(logical_value(self), dtypes.to_jax(dtype))
-    # a bitcast view shares no buffer with its source on XLA: results are a copy
-    return storage.new_tensor(self.shape, dtype, value)
+    # PyTorch's own kernel: its checks and messages, a view of the same storage (the storage's
+    # buffer is reinterpreted in the new dtype when it is next read: StorageData.retype)
+    dtypes.to_jax(dtype)  # refuse a dtype tpu cannot hold (complex32) by name, before any view exists
+    return _view_dtype_metadata(self, dtype)
 
 
 # ---------------------------------------------------------------- factories
@@ -75,6 +70,10 @@ def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_f
     dtype = _check_factory(device, dtype)
     if any(s < 0 for s in size):
         raise RuntimeError(f"Trying to create tensor with negative dimension {min(size)}: {list(size)}")
+    if memory_format is not None and memory_format != torch.contiguous_format:
+        # PyTorch's strides for the format (channels_last...), and its error for a format empty refuses
+        stride = torch.empty(size, device="meta", memory_format=memory_format).stride()
+        return storage.new_tensor(size, dtype, stride=stride)
     return storage.new_tensor(size, dtype)
 
 
@@ -163,7 +162,7 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
     target = torch.device("tpu") if device is None else torch.device(device)
     if self.device.type == "tpu" and target.type == "tpu":
         check_device(target)
-        return _to_copy_kernel(self, dtype=dtype)
+        return _to_copy_kernel(self, dtype=dtype, memory_format=memory_format)
     if self.device.type == "tpu" and target.type == "cpu":
         host = dtypes.numpy_to_torch(storage.to_numpy_host(self), self.dtype)
         if dtype != self.dtype:
@@ -186,33 +185,17 @@ def _local_scalar_dense(self):
 
 @impl("resize_")
 def _resize_(self, size, memory_format=None):
-    size = tuple(size)
-    if tuple(self.shape) == size:
-        return self
-    old_numel = math.prod(self.shape)
-    new_numel = math.prod(size)
-    sd = storage.storage_data(self)
-    if new_numel <= sd.buf.size - self.storage_offset() and self.is_contiguous():
-        # fits in the existing storage: a metadata change, as on CPU
-        aten.set_.source_Storage_storage_offset(self, self.untyped_storage(), self.storage_offset(),
-                                                size, layout.contiguous_strides(size))
-        return self
-    flat = logical_value(self).reshape(-1) if old_numel else jnp.zeros((0,), dtypes.to_jax(self.dtype))
-    if new_numel > flat.shape[0]:
-        flat = jnp.concatenate([flat, jnp.zeros((new_numel - flat.shape[0],), flat.dtype)])
+    # PyTorch's meta resize_ on a twin with this tensor's storage size gives CPU's checks, messages,
+    # strides (memory formats included) and storage growth
+    st = self.untyped_storage()
+    twin = torch.empty(0, dtype=self.dtype, device="meta").set_(
+        torch.UntypedStorage(st.nbytes(), device="meta"), self.storage_offset(), self.shape, self.stride())
+    if memory_format is None:
+        twin.resize_(size)
     else:
-        flat = flat[:new_numel]
-    storage.replace_storage(self, size, flat)
+        twin.resize_(size, memory_format=memory_format)
+    nbytes = twin.untyped_storage().nbytes()
+    if nbytes > st.nbytes():
+        st = storage.grown_storage(self, nbytes)
+    aten.set_.source_Storage_storage_offset(self, st, twin.storage_offset(), twin.shape, twin.stride())
     return self
-
-
-# conj / neg views are lazy bits on the tensor that torchtpu's reads ignore:
-# materialize them (a copy, not a view), as XLA backends do
-@impl("_conj")
-def _conj_materialized(self):
-    return aten.conj_physical.default(self)
-
-
-@impl("_neg_view")
-def _neg_view_materialized(self):
-    return aten.neg.default(self)

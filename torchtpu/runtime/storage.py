@@ -203,6 +203,14 @@ def replace_storage(t: torch.Tensor, size, buf) -> None:
     _set_storage(_CPU_KEYSET, t, new_storage(numel * t.dtype.itemsize, buf, t.dtype), 0, size, stride)
 
 
+def grown_storage(t: torch.Tensor, nbytes: int) -> torch.UntypedStorage:
+    """A new storage of ``nbytes`` starting with the bytes of ``t``'s storage, zeros after
+    (``resize_`` growing a tensor). Storages here are not resizable in place, so other views of
+    the old storage keep the old one."""
+    numel = -(-nbytes // t.dtype.itemsize)
+    return new_storage(nbytes, _layout.fit(storage_data(t).buf.reshape(-1), numel), t.dtype)
+
+
 def _dev():
     global _DEV
     _DEV = torch.device("tpu", 0)
@@ -222,25 +230,27 @@ def covers_storage(t: torch.Tensor, buf) -> bool:
 
 # ---------------------------------------------------------------- values as jax arrays
 def logical_value(t: torch.Tensor):
-    """The jax array holding the value of tpu tensor ``t`` (a copy only if ``t`` is a strided view)."""
+    """The jax array holding the value of tpu tensor ``t`` (a copy only if ``t`` is a strided view
+    or carries a conjugate / negative bit)."""
     buf = storage_data(t).buf
-    if covers_storage(t, buf):
+    bits = _layout.math_bits(t)
+    if bits is None and covers_storage(t, buf):
         return buf if tuple(buf.shape) == tuple(t.shape) else buf.reshape(t.shape)
-    return _read_jit(layout(t))(buf)
+    return _read_jit(layout(t), bits)(buf)
 
 
 def flat_value(t: torch.Tensor):
     """``t``'s elements as a flat jax array, with no device work when ``t`` covers its whole
     storage (the storage's own buffer, whatever shape it was produced in)."""
     buf = storage_data(t).buf
-    if covers_storage(t, buf):
+    if covers_storage(t, buf) and _layout.math_bits(t) is None:
         return buf
     return logical_value(t).reshape(-1)
 
 
 @functools.lru_cache(maxsize=4096)
-def _read_jit(lay):
-    return jax.jit(lambda b: _layout.read(b, lay))
+def _read_jit(lay, bits=None):
+    return jax.jit(lambda b: _layout.apply_math_bits(_layout.read(b, lay), bits))
 
 
 def from_jax_array(arr, dtype=None) -> torch.Tensor:
@@ -266,6 +276,9 @@ def write_value(dst: torch.Tensor, value) -> None:
             raise RuntimeError(
                 f"The size of tensor a ({list(size)}) must match the size of tensor b ({list(value.shape)})"
             ) from None
+    bits = _layout.math_bits(dst)
+    if bits is not None:  # the buffer holds what reads through the bits give back as ``value``
+        value = _unbits_jit(bits)(value)
     if covers_storage(dst, sd.buf) and tuple(value.shape) == tuple(size):
         jd = dtypes.to_jax(dst.dtype)
         sd.buf = value if value.dtype == jd else _cast(value, jd)
@@ -276,6 +289,11 @@ def write_value(dst: torch.Tensor, value) -> None:
         fn = jax.jit(lambda b, v: _layout.write(b, lay, v))
         _write_cache[key] = fn
     sd.buf = fn(sd.buf, value)
+
+
+@functools.lru_cache(maxsize=None)
+def _unbits_jit(bits):
+    return jax.jit(lambda v: _layout.apply_math_bits(v, bits))
 
 
 def _cast(value, jd):
