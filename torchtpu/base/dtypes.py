@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -44,6 +46,12 @@ def to_jax(dtype: torch.dtype):
             f"torchtpu: dtype {dtype} is not supported on tpu "
             f"(supported: {', '.join(str(d).removeprefix('torch.') for d in _TORCH_TO_JAX)})"
         ) from None
+
+
+@functools.lru_cache(maxsize=None)
+def scalar_type_name(dtype: torch.dtype) -> str:
+    """PyTorch's C++ name of ``dtype`` as its error messages spell it (``Float``, ``Long``, ``BFloat16``)."""
+    return torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")
 
 
 def to_torch(jdtype) -> torch.dtype:

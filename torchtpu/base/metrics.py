@@ -15,14 +15,13 @@ import collections
 import contextlib
 import copy
 import os
-import sys
 import threading
 import warnings
 
 import jax
 import torch
 
-from .frames import user_frame
+from .frames import warn_at_user_line
 
 _lock = threading.Lock()
 _state = {
@@ -214,19 +213,7 @@ def _warn_recompiles(op, n, threshold, log):
         "torchtpu.bucketing.set_recompile_warning_threshold(n) or "
         "TORCHTPU_RECOMPILE_WARNING_THRESHOLD changes the threshold."
     )
-    frame = user_frame(sys._getframe(1))
-    if frame is None:
-        warnings.warn(msg, RecompileWarning, stacklevel=2)
-    else:
-        g = frame.f_globals
-        warnings.warn_explicit(
-            msg,
-            RecompileWarning,
-            frame.f_code.co_filename,
-            frame.f_lineno,
-            module=g.get("__name__", "<unknown>"),
-            registry=g.setdefault("__warningregistry__", {}),
-        )
+    warn_at_user_line(msg, RecompileWarning)
 
 
 # ---------------------------------------------------------------- other counters

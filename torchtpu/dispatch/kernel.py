@@ -11,6 +11,7 @@ executable is recorded (runtime/recorder.py) instead of run.
 from __future__ import annotations
 
 import math
+import os
 import threading
 
 import jax
@@ -57,6 +58,23 @@ def _freeze(v):
     if type(v) in (bool, int, float):
         return (type(v), v)  # 3, 3.0 and True hash alike but give different dtypes
     return v
+
+
+_index_bound_checks = os.environ.get("TORCHTPU_CHECK_INDEX_BOUNDS", "0") not in ("", "0", "false", "False")
+
+
+def set_index_bound_checks(enabled: bool) -> None:
+    """Check index values as PyTorch does on CPU (``IndexError: index 5 is out of bounds ...``) for
+    index tensors on tpu too. It reads them to the host: a device sync (and under DeferAndFuse a
+    flush) per indexing op, so it is off by default (``TORCHTPU_CHECK_INDEX_BOUNDS=1`` turns it on).
+    Index tensors on the CPU are always checked; unchecked out-of-range indices read a fill value
+    (NaN for floats) and are dropped by scatters."""
+    global _index_bound_checks
+    _index_bound_checks = bool(enabled)
+
+
+def index_bound_checks_enabled() -> bool:
+    return _index_bound_checks
 
 
 MIXED_DEVICE = "Expected all tensors to be on the same device, but found at least two devices, {} and {}!"
@@ -108,6 +126,7 @@ class Kernel:
         self.lowering = lowering
         self.functional = functional or op
         self.inplace = functional is not None
+        self.warn = lowering.warn
         self.args = list(schema.arguments)
         self.nargs = len(self.args)
         self.npos = sum(1 for a in self.args if not a.kwarg_only)
@@ -153,6 +172,10 @@ class Kernel:
         else:
             tail = self._tails[len(args)] if len(args) <= self.nargs else None
             vals = args + tail if tail is not None else self.bind(args, kwargs)
+        if self.warn is not None:
+            self.warn(*vals, inplace=self.inplace)
+        if _index_bound_checks and self.lowering.check is not None:
+            self.lowering.check(*vals)
         key = [self.name]  # the cache is this kernel's own: the name only labels the key (cheap to hash)
         bufs = []
         dyn = []
@@ -184,14 +207,22 @@ class Kernel:
         if entry is None:
             entry = self._build(key, vals, len(bufs))
             metrics.record_miss(self.name, key)
+            built = True
         else:
             _record_hit()
+            built = False
         if deferring():
             outs = _record(entry.fn, bufs, dyn, entry.out_numels, self.name, entry.token)
         else:
             if RECORDER.pending:  # pending work recorded in another context
                 bufs = [RECORDER.materialize(b, "materialize") if type(b) is LazyBuf else b for b in bufs]
-            outs = entry.fn(*bufs, *dyn)
+            try:
+                outs = entry.fn(*bufs, *dyn)
+            except Exception:
+                if built:  # traced just now: an input PyTorch's meta let through reached the lowering
+                    self.cache.pop(key, None)
+                    self._raise_cpu_error(vals, dtype_errors=True)
+                raise
         return self._wrap(vals, outs, entry)
 
     def _tensor_key(self, t, bufs, dyn):
@@ -264,7 +295,11 @@ class Kernel:
             if out_meta is None and not self.inplace:
                 # no meta kernel: take shapes from abstract evaluation of the lowering
                 avals = _avals_of(vals, key, self.kinds, self.lowering.random)
-                shaped = jax.eval_shape(inner, *avals)
+                try:
+                    shaped = jax.eval_shape(inner, *avals)
+                except Exception:
+                    self._raise_cpu_error(vals)
+                    raise
                 out_meta = pytree.tree_map(lambda a: (tuple(a.shape), dtypes.to_torch(a.dtype)), shaped)
 
             def flat(*xs):
@@ -280,7 +315,11 @@ class Kernel:
             entry = _Entry(jax.jit(flat), out_meta, numels)
             if deferring():
                 # trace now, so a lowering error surfaces at the user's line, not at the flush
-                jax.eval_shape(entry.fn, *_avals_of(vals, key, self.kinds, self.lowering.random))
+                try:
+                    jax.eval_shape(entry.fn, *_avals_of(vals, key, self.kinds, self.lowering.random))
+                except Exception:
+                    self._raise_cpu_error(vals)
+                    raise
             self.cache[key] = entry
             return entry
 
@@ -289,20 +328,50 @@ class Kernel:
         margs = self._meta_args(vals)
         pos = margs[: self.npos]
         kw = {self.names[i]: margs[i] for i in range(self.npos, len(margs))}
-        if self.lowering.meta is not None:
-            out = self.lowering.meta(*pos, **kw)
-        else:
-            try:
+        try:
+            if self.lowering.meta is not None:
+                out = self.lowering.meta(*pos, **kw)
+            else:
                 # for in-place ops this validates shapes and casts the way PyTorch does
                 out = self.op(*pos, **kw)
-            except (NotImplementedError, RuntimeError) as e:
-                msg = str(e).lower()
-                if "meta" in msg and ("not implemented" in msg or "could not run" in msg):
-                    return None
-                raise
+        except Exception as e:
+            msg = str(e).lower()
+            if isinstance(e, (NotImplementedError, RuntimeError)) and "meta" in msg and (
+                    "not implemented" in msg or "could not run" in msg):
+                return None
+            # PyTorch's meta kernels check what CPU checks, but some word it differently or raise
+            # another type: the user gets CPU's own error
+            self._raise_cpu_error(vals)
+            raise
         if self.inplace:
             return None
         return pytree.tree_map(lambda t: _meta_leaf(t) if isinstance(t, torch.Tensor) else t, out)
+
+    def _raise_cpu_error(self, vals, dtype_errors=False):
+        """Raise the error PyTorch's CPU kernel gives for this call's shapes, dtypes and arguments
+        (inputs zero-filled), if it gives one: the bad input is the user's, and the error must be
+        the one they would get on CPU. Returns if CPU accepts the call (the error is torchtpu's).
+        CPU's "not implemented for <dtype>" replaces only an error of the lowering
+        (``dtype_errors``), never a shape error of PyTorch's meta kernel."""
+        cpu = []
+        numel = 0
+        for i, v in enumerate(vals):
+            if self.kinds[i] in (_TL, _OTL):
+                v = [_cpu_zeros(x) for x in v]
+                numel += sum(x.numel() for x in v if isinstance(x, torch.Tensor))
+            else:
+                v = _cpu_zeros(v)
+                numel += v.numel() if isinstance(v, torch.Tensor) else 0
+            cpu.append(v)
+        if numel > _CPU_ERROR_MAX_NUMEL:
+            return
+        try:
+            # (the warnings CPU emits on its way to the error reach the user, as they would on CPU)
+            self.op(*cpu[: self.npos], **{self.names[i]: cpu[i] for i in range(self.npos, len(cpu))})
+        except Exception as e:
+            if "not implemented for" in str(e) and not dtype_errors:
+                return  # CPU lacks the dtype: it says nothing about the shapes meta refused
+            raise e.with_traceback(None) from None
 
     def _make_inner(self, key, vals, out_meta):
         """The traced function: flat buffers and dynamic scalars -> outputs (or new buffers)."""
@@ -368,7 +437,7 @@ class Kernel:
                             f"torchtpu lowering of {name} returned shape {tuple(o.shape)}, "
                             f"PyTorch's meta gives {tuple(shape)}"
                         )
-                o = o.astype(dtypes.to_jax(dt))
+                o = _layout.cast(o, dtypes.to_jax(dt))
                 if len(m) > 2:  # a non-contiguous dense layout: the buffer holds the elements in its order
                     o = _layout.to_physical(o, m[2])
                 fixed.append(o)
@@ -493,7 +562,7 @@ def _write_mutated(name, key, kinds, mutated, bufs, flat_out):
         for kk, bidx in targets:
             value = jnp.asarray(flat_out[pos])
             if len(kk) > 3:  # written through a conj()/neg view: store what reads give back as value
-                value = _layout.apply_math_bits(value.astype(bufs[bidx].dtype), kk[3])
+                value = _layout.apply_math_bits(_layout.cast(value, bufs[bidx].dtype), kk[3])
             size = tuple(kk[0][0])
             if jnp.broadcast_shapes(value.shape, size) != size:
                 raise RuntimeError(
@@ -524,6 +593,18 @@ def _buffer_index(key, kinds, arg_i, list_pos):
 
 
 _NOBUF = ("cpu0", "num")
+_CPU_ERROR_MAX_NUMEL = 1 << 24  # zero-filled CPU twins larger than this are not worth an error message
+
+
+def _cpu_zeros(v):
+    """A zero-filled CPU twin of tensor ``v`` (same shape, strides, dtype); a tpu device becomes cpu."""
+    if isinstance(v, torch.Tensor):
+        if v.device.type == "cpu":
+            return v
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype).zero_()
+    if isinstance(v, torch.device) and v.type == "tpu":
+        return torch.device("cpu")
+    return v
 _record = RECORDER.record
 _record_hit = metrics.record_hit
 _META_DEVICE = torch.device("meta")

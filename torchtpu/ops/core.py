@@ -10,8 +10,10 @@ import numpy as np
 import torch
 
 from ..base import dtypes
+from ..base.frames import warn_once_at_user_line
 from ..dispatch.kernel import Kernel
 from ..dispatch.lowering import LOWERINGS, impl, lower
+from ..runtime import layout as _layout
 from ..runtime import storage
 from ..runtime.device import check_device
 
@@ -115,9 +117,17 @@ def _cpu_to_jax(t: torch.Tensor):
     return jnp.asarray(dtypes.cpu_tensor_to_numpy(t.contiguous()))
 
 
-@lower("copy")
+_COMPLEX_TO_REAL = "Casting complex values to real discards the imaginary part"
+
+
+def _warn_complex_to_real(src_dtype, dst_dtype):
+    if src_dtype.is_complex and not dst_dtype.is_complex:
+        warn_once_at_user_line(_COMPLEX_TO_REAL)
+
+
+@lower("copy", warn=lambda dst, src, non_blocking=False, inplace=False: _warn_complex_to_real(src.dtype, dst.dtype))
 def _copy(dst, src, non_blocking=False):
-    return jnp.broadcast_to(src, dst.shape).astype(dst.dtype)
+    return _layout.cast(jnp.broadcast_to(src, dst.shape), dst.dtype)
 
 
 @lower("_to_copy")
@@ -132,6 +142,7 @@ _to_copy_kernel = Kernel(aten._to_copy.default, LOWERINGS["aten::_to_copy.defaul
 @impl("copy_")
 def _copy_(dst, src, non_blocking=False):
     if dst.device.type == "tpu":
+        _warn_complex_to_real(src.dtype, dst.dtype)
         if src.device.type == "tpu":
             # recorded like any op under DeferAndFuse
             return _copy_inplace(dst, src, non_blocking)
@@ -160,6 +171,8 @@ class _null:
 def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
     dtype = self.dtype if dtype is None else dtype
     target = torch.device("tpu") if device is None else torch.device(device)
+    if target.type == "tpu":  # a copy to the CPU casts there, and CPU warns itself
+        _warn_complex_to_real(self.dtype, dtype)
     if self.device.type == "tpu" and target.type == "tpu":
         check_device(target)
         return _to_copy_kernel(self, dtype=dtype, memory_format=memory_format)

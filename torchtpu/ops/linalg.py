@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from ..base.frames import warn_once_at_user_line
 from ..dispatch.lowering import impl, lower
 
 _LOW = (jnp.bfloat16, jnp.float16)
@@ -203,7 +204,19 @@ def _cholesky_ex(a, upper=False, check_errors=False):
     return out, info
 
 
-@lower("cholesky")
+_CHOLESKY_DEPRECATED = (
+    "torch.cholesky is deprecated in favor of torch.linalg.cholesky and will be removed in a future PyTorch "
+    "release.\nL = torch.cholesky(A)\nshould be replaced with\nL = torch.linalg.cholesky(A)\nand\n"
+    "U = torch.cholesky(A, upper=True)\nshould be replaced with\nU = torch.linalg.cholesky(A).mH\n"
+    "This transform will produce equivalent results for all valid (symmetric positive definite) inputs.")
+_TRIANGULAR_SOLVE_DEPRECATED = (
+    "torch.triangular_solve is deprecated in favor of torch.linalg.solve_triangularand will be removed in a "
+    "future PyTorch release.\ntorch.linalg.solve_triangular has its arguments reversed and does not return a "
+    "copy of one of the inputs.\nX = torch.triangular_solve(B, A).solution\nshould be replaced with\n"
+    "X = torch.linalg.solve_triangular(A, B).")
+
+
+@lower("cholesky", warn=lambda *a, inplace=False: warn_once_at_user_line(_CHOLESKY_DEPRECATED))
 def _cholesky(a, upper=False):
     return _cholesky_ex(a, upper)[0]
 
@@ -362,7 +375,7 @@ def _qr(a, mode="reduced"):
     return q, r
 
 
-@lower("triangular_solve")
+@lower("triangular_solve", warn=lambda *a, inplace=False: warn_once_at_user_line(_TRIANGULAR_SOLVE_DEPRECATED))
 def _triangular_solve(b, a, upper=True, transpose=False, unitriangular=False):
     x = _tri_solve(a, b, lower=not upper, transpose=transpose, unit=unitriangular)
     batch = x.shape[:-2]

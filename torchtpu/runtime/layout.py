@@ -73,6 +73,13 @@ def to_physical(value, stride):
     return jnp.transpose(v, [pos[d] for d in order]).reshape((-1,))
 
 
+def cast(x, dtype):
+    """``x`` as ``dtype``; complex to real keeps the real part, as PyTorch does (JAX would warn)."""
+    if jnp.iscomplexobj(x) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        x = jnp.real(x)
+    return x.astype(dtype)
+
+
 def _block_plan(size, stride):
     """If the non-broadcast dims of a layout are a permutation of a dense block,
     return (block_shape, perm_from_block_to_layout_dims, kept_dims); else None."""
@@ -130,7 +137,7 @@ def write(buf, lay, value):
     """``buf`` with the elements addressed by ``lay`` replaced by ``value`` (traced)."""
     size, stride, offset = lay
     numel = math.prod(size)
-    value = jnp.broadcast_to(value.astype(buf.dtype), size)
+    value = jnp.broadcast_to(cast(value, buf.dtype), size)
     if numel == 0:
         return buf
     if is_contiguous(size, stride) and offset == 0 and buf.size == numel:
@@ -146,7 +153,15 @@ def _write_flat(buf, size, stride, offset, value):
     if is_dense(size, stride):
         return lax.dynamic_update_slice(buf, to_physical(value, stride), (offset,))
     idx = _index_array(size, stride, offset).reshape(-1)
-    return buf.at[idx].set(value.reshape((-1,)))
+    value = value.reshape((-1,))
+    if has_internal_overlap(size, stride):
+        # elements sharing a memory location (an expanded tensor): only those the op changed are
+        # written, as an in-place scatter on CPU writes only the elements it addresses
+        old = buf[idx]
+        changed = (value != old) & ~((value != value) & (old != old))
+        idx = jnp.where(changed, idx, buf.shape[0])
+        return buf.at[idx].set(value, mode="drop")
+    return buf.at[idx].set(value)
 
 
 # ---------------------------------------------------------------- math bits (traced)

@@ -300,7 +300,7 @@ def _cast(value, jd):
     key = (value.dtype, jd)
     fn = _cast_cache.get(key)
     if fn is None:
-        fn = jax.jit(lambda v: v.astype(jd))
+        fn = jax.jit(lambda v: _layout.cast(v, jd))
         _cast_cache[key] = fn
     return fn(value)
 
