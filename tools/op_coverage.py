@@ -111,6 +111,8 @@ _OP_TOL = {
 # ---------------------------------------------------------------------------- worker side
 def _setup_worker():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # the lowerings are what is measured: no op may run through the compile-storm policy's CPU path
+    os.environ["TORCHTPU_STORM_EXECUTABLES"] = "0"
     import warnings
 
     warnings.filterwarnings("ignore")

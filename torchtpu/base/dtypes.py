@@ -27,6 +27,9 @@ _TORCH_TO_JAX = {
     torch.complex128: jnp.complex128,
     torch.float8_e4m3fn: jnp.float8_e4m3fn,
     torch.float8_e5m2: jnp.float8_e5m2,
+    torch.float8_e4m3fnuz: jnp.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz: jnp.float8_e5m2fnuz,
+    torch.float8_e8m0fnu: jnp.float8_e8m0fnu,
 }
 _JAX_TO_TORCH = {np.dtype(v): k for k, v in _TORCH_TO_JAX.items()}
 
@@ -35,6 +38,9 @@ _BITCAST_VIA = {
     torch.bfloat16: (torch.int16, np.int16),
     torch.float8_e4m3fn: (torch.int8, np.int8),
     torch.float8_e5m2: (torch.int8, np.int8),
+    torch.float8_e4m3fnuz: (torch.int8, np.int8),
+    torch.float8_e5m2fnuz: (torch.int8, np.int8),
+    torch.float8_e8m0fnu: (torch.uint8, np.uint8),
 }
 
 

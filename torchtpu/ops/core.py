@@ -114,7 +114,7 @@ def _arange1(start, end, dtype=None, layout=None, device=None, pin_memory=None):
 
 # ---------------------------------------------------------------- copies
 def _cpu_to_jax(t: torch.Tensor):
-    return jnp.asarray(dtypes.cpu_tensor_to_numpy(t.contiguous()))
+    return storage.to_device(dtypes.cpu_tensor_to_numpy(t.contiguous()))
 
 
 _COMPLEX_TO_REAL = "Casting complex values to real discards the imaginary part"
@@ -147,7 +147,7 @@ def _copy_(dst, src, non_blocking=False):
             # recorded like any op under DeferAndFuse
             return _copy_inplace(dst, src, non_blocking)
         elif src.device.type == "cpu":
-            value = _cpu_to_jax(src)
+            value = dtypes.cpu_tensor_to_numpy(src)
         else:
             raise RuntimeError(f"torchtpu: cannot copy from {src.device} to tpu")
         storage.write_value(dst, value)

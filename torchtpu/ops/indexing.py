@@ -414,7 +414,7 @@ def _expand_masks(x, indices):
                         f"the indexed tensor {list(x.shape)} at index {pos + j}"
                     )
             for a in np.nonzero(_host(idx)):
-                out.append(from_jax_array(jnp.asarray(a, _I64)))
+                out.append(from_jax_array(a.astype(np.int64)))
         else:
             if idx is not None and idx.dtype not in (torch.int64, torch.int32):
                 raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
@@ -537,7 +537,7 @@ def _index_put_impl_(self, indices, values, accumulate=False, unsafe=False):
 
 # ---------------------------------------------------------------- data-dependent shapes (host reads)
 def _tensor(arr, dtype):
-    return from_jax_array(jnp.asarray(arr), dtype)
+    return from_jax_array(np.asarray(arr), dtype)
 
 
 @impl("nonzero")
@@ -548,7 +548,7 @@ def _nonzero(self):
     # CPU's result is column-major: (1, n) strides
     coords = np.nonzero(m)
     n = coords[0].shape[0]
-    return storage.new_tensor((n, m.ndim), torch.int64, jnp.asarray(np.concatenate(coords).astype(np.int64)),
+    return storage.new_tensor((n, m.ndim), torch.int64, storage.to_device(np.concatenate(coords).astype(np.int64)),
                               stride=(1, n))
 
 
@@ -558,7 +558,7 @@ def _masked_select(self, mask):
         raise RuntimeError("masked_select: expected BoolTensor for mask")
     shape = torch.broadcast_shapes(self.shape, mask.shape)
     m = np.broadcast_to(_host(mask), shape).reshape(-1)
-    flat_idx = jnp.asarray(np.flatnonzero(m).astype(np.int64))
+    flat_idx = storage.to_device(np.flatnonzero(m).astype(np.int64))
     values = jnp.broadcast_to(logical_value(self), shape).reshape(-1)[flat_idx]
     return from_jax_array(values, self.dtype)
 
