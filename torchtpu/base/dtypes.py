@@ -82,18 +82,17 @@ def cpu_tensor_to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def numpy_to_torch(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of ``dtype`` holding a copy of ``arr`` (or ``arr``'s memory when it is writable
-    and contiguous)."""
+    """A CPU tensor of ``dtype`` holding a copy of ``arr`` in torch's own memory (resizable, as
+    ``out=`` kernels and ``resize_`` need; a tensor over numpy's memory is not)."""
+    arr = np.asarray(arr)
     via = _BITCAST_VIA.get(dtype)
     if via is not None:
-        arr = np.ascontiguousarray(arr).reshape(arr.shape).view(via[1])  # ascontiguousarray makes 0-d 1-d
-        return torch.from_numpy(arr.copy()).view(dtype)
-    if not arr.flags.writeable:
-        arr = arr.copy()
-    out = torch.from_numpy(np.ascontiguousarray(arr).reshape(arr.shape))
-    if out.dtype != dtype:
-        out = out.to(dtype)
-    return out
+        arr = arr.view(via[1])
+    src = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+    out = torch.empty(arr.shape, dtype=src.dtype if via is None else via[0]).copy_(src)
+    if via is not None:
+        return out.view(dtype)
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def numpy_view_as_torch(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

@@ -319,6 +319,8 @@ for _name, _fn in _BINARY.items():
         except AttributeError:
             pass
 
+lower("complex")(lambda re, im: lax.complex(*jnp.broadcast_arrays(re, im)))
+lower("polar")(lambda r, theta: lax.complex(*jnp.broadcast_arrays(r * jnp.cos(theta), r * jnp.sin(theta))))
 lower("div.Tensor", "div.Scalar")(_div_true)
 lower("floor_divide.default", "floor_divide.Scalar")(_floor_divide)
 lower("remainder.Tensor", "remainder.Scalar")(_remainder)

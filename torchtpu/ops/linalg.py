@@ -147,9 +147,10 @@ def _tri_solve(a, b, *, lower, left=True, transpose=False, conj=False, unit=Fals
 
 def _first_failure(bad):
     """LAPACK ``info``: 1-based index of the first True along the last axis, else 0."""
-    n = bad.shape[-1]
+    if bad.shape[-1] == 0 or bad.size == 0:  # argmax has nothing to search
+        return jnp.zeros(bad.shape[:-1], jnp.int32)
     idx = jnp.argmax(bad, axis=-1)
-    return jnp.where(jnp.any(bad, axis=-1), idx + 1, 0).astype(jnp.int32) if n else jnp.zeros(bad.shape[:-1], jnp.int32)
+    return jnp.where(jnp.any(bad, axis=-1), idx + 1, 0).astype(jnp.int32)
 
 
 def _lu(a):
@@ -407,3 +408,20 @@ def _cholesky_inverse(a, upper=False):
 @lower("linalg_matrix_exp")
 def _matrix_exp(a):
     return jax.scipy.linalg.expm(a)
+
+
+# ---------------------------------------------------------------- Householder (LAPACK's geqrf form)
+@lower("geqrf")
+def _geqrf(a):
+    h, tau = jnp.linalg.qr(a, mode="raw")  # LAPACK's geqrf, its reflectors transposed
+    return _mT(h), tau
+
+
+@lower("linalg_householder_product")
+def _householder_product(a, tau):
+    return lax.linalg.householder_product(a, tau)
+
+
+@lower("ormqr", static=("left", "transpose"))
+def _ormqr(a, tau, c, left=True, transpose=False):
+    return lax.linalg.ormqr(a, tau, c, left=left, transpose=transpose)
