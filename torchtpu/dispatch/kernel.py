@@ -354,8 +354,19 @@ class Kernel:
             self._raise_cpu_error(vals)
             raise
         if self.inplace:
+            self._check_overlap(vals)
             return None
         return pytree.tree_map(lambda t: _meta_leaf(t) if isinstance(t, torch.Tensor) else t, out)
+
+    def _check_overlap(self, vals):
+        """CPU refuses most in-place writes into a tensor whose elements share memory (an expanded
+        one); PyTorch's meta kernels cannot see it (meta tensors have no memory)."""
+        if short_name(self.functional) in _OVERLAP_WRITES_ALLOWED:
+            return
+        for i in self.mutated:
+            for t in (vals[i] if self.kinds[i] in (_TL, _OTL) else (vals[i],)):
+                if isinstance(t, torch.Tensor):
+                    check_no_internal_overlap(t)
 
     def _raise_cpu_error(self, vals, dtype_errors=False):
         """Raise the error PyTorch's CPU kernel gives for this call's shapes, dtypes and arguments
@@ -605,7 +616,21 @@ def _buffer_index(key, kinds, arg_i, list_pos):
 
 
 _NOBUF = ("cpu0", "num")
+# in-place ops CPU lets write into an expanded tensor (the scatters warn: see ops/indexing.py)
+_OVERLAP_WRITES_ALLOWED = frozenset({
+    "aten::fill.Scalar", "aten::fill.Tensor", "aten::zero", "aten::masked_fill.Scalar", "aten::masked_fill.Tensor",
+    "aten::index_fill.int_Scalar", "aten::index_fill.int_Tensor", "aten::index_put", "aten::_index_put_impl",
+    "aten::tril", "aten::triu",
+})
 _CPU_ERROR_MAX_NUMEL = 1 << 24  # zero-filled CPU twins larger than this are not worth an error message
+
+
+def check_no_internal_overlap(t: torch.Tensor) -> None:
+    """PyTorch's refusal to write into a tensor whose elements share memory (an expanded one)."""
+    if _layout.has_internal_overlap(t.shape, t.stride()):
+        raise RuntimeError(
+            "unsupported operation: more than one element of the written-to tensor refers to a single "
+            "memory location. Please clone() the tensor before performing the operation.")
 
 
 def _cpu_zeros(v):

@@ -11,7 +11,7 @@ import torch
 
 from ..base import dtypes
 from ..base.frames import warn_once_at_user_line
-from ..dispatch.kernel import Kernel
+from ..dispatch.kernel import Kernel, check_no_internal_overlap
 from ..dispatch.lowering import LOWERINGS, impl, lower
 from ..runtime import layout as _layout
 from ..runtime import storage
@@ -147,6 +147,7 @@ def _copy_(dst, src, non_blocking=False):
             # recorded like any op under DeferAndFuse
             return _copy_inplace(dst, src, non_blocking)
         elif src.device.type == "cpu":
+            check_no_internal_overlap(dst)
             value = dtypes.cpu_tensor_to_numpy(src)
         else:
             raise RuntimeError(f"torchtpu: cannot copy from {src.device} to tpu")
@@ -180,6 +181,7 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
         host = dtypes.numpy_to_torch(storage.to_numpy_host(self), self.dtype)
         if dtype != self.dtype:
             host = host.to(dtype)
+        host = _in_memory_format(host, self, memory_format)
         if pin_memory:
             host = host.pin_memory()
         return host
@@ -188,6 +190,16 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
         value = _cpu_to_jax(self.to(dtype))
         return storage.new_tensor(self.shape, dtype, value)
     raise RuntimeError(f"torchtpu: cannot copy a tpu tensor to {target}")
+
+
+def _in_memory_format(host, like, memory_format):
+    """Contiguous CPU copy ``host`` of tpu tensor ``like`` laid out as PyTorch's ``_to_copy`` lays it:
+    ``like``'s own strides for a dense tensor under preserve_format, else the format asked for."""
+    if memory_format is None or memory_format == torch.preserve_format:
+        if like.is_contiguous() or not _layout.is_dense(like.shape, like.stride()):
+            return host
+        return torch.empty_strided(like.shape, like.stride(), dtype=host.dtype).copy_(host)
+    return host.contiguous(memory_format=memory_format)
 
 
 @impl("_local_scalar_dense")
