@@ -202,12 +202,8 @@ class Kernel:
         key = tuple(key)
         entry = self.cache.get(key)
         if entry is None and storm.POLICY.executables is not None and len(self.cache) >= storm.POLICY.executables:
-            numel = 0
-            for b in bufs:
-                if type(b) is LazyBuf:  # pending under DeferAndFuse: running it on the host would flush
-                    numel = -1
-                    break
-                numel += b.size
+            # under DeferAndFuse only with nothing pending: the host copies would flush the graph
+            numel = -1 if RECORDER.pending else sum(b.size for b in bufs)
             if numel >= 0 and storm.run_shape_generic(self, key, numel):
                 return storm.run(self, vals)  # CPU's kernel makes CPU's checks and warnings
         if self.warn is not None:

@@ -13,7 +13,7 @@ keeps coming back (a training loop) is worth its executable.
 Always compiled: large tensors (a host round trip of each call costs more than one compile
 amortised over them), random ops (tpu's random streams are not CPU's), any op while the CPU
 fallback is off (``torchtpu.set_cpu_fallback(False)``: no op may run on the CPU), and, under
-DeferAndFuse, calls with pending inputs (running them on the host would force a flush).
+DeferAndFuse, calls made while work is pending (the host copies would flush it).
 ``torchtpu.metrics.snapshot()["shape_generic_calls"]`` counts the calls run this way, per op.
 
 ``set_shape_storm_policy(None)`` (or ``TORCHTPU_STORM_EXECUTABLES=0``) turns the policy off.
@@ -69,7 +69,7 @@ def shape_storm_policy() -> dict:
 
 def run_shape_generic(kernel, key, numel: int) -> bool:
     """Should this call of ``kernel`` (a cache miss of ``key`` over tensors of ``numel`` elements
-    together, all of them concrete) run through the CPU kernel rather than compile? Counts the key."""
+    together, nothing pending) run through the CPU kernel rather than compile? Counts the key."""
     limit = POLICY.executables
     if (limit is None or len(kernel.cache) < limit or numel > POLICY.max_numel or kernel.lowering.random
             or not fallback.cpu_fallback_enabled()):
