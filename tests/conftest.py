@@ -13,6 +13,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
+# The compile-storm policy (torchtpu/dispatch/storm.py) would run new small shapes of an op through
+# PyTorch's CPU kernel once the op has many executables, which the whole suite in one process reaches
+# for common ops: tests check the lowerings, so it is off here unless a test turns it on.
+os.environ.setdefault("TORCHTPU_STORM_EXECUTABLES", "0")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -89,7 +89,7 @@ def new_storage(nbytes: int, host_bytes: np.ndarray | None = None) -> torch.Unty
     if nbytes < 0:
         raise RuntimeError(f"Storage size must be non-negative, got {nbytes}")
     if host_bytes is None:
-        buf = jnp.zeros((nbytes,), jnp.uint8)
+        buf = _storage.to_device(np.zeros((nbytes,), np.uint8))
     else:
         buf = jax.device_put(np.ascontiguousarray(host_bytes, dtype=np.uint8).reshape(-1), _device.jax_device())
     return _storage.new_storage(nbytes, buf, torch.uint8)

@@ -432,3 +432,88 @@ def test_bucketing_bounds_executables_for_random_lengths(mode):
             x = torch.ones(n, feat, dtype=torch.float64).to("tpu")
             _small_step(x, torch.ones(n, dtype=torch.bool).to("tpu")).cpu()
     assert sum(metrics.snapshot()["cache_misses"].values()) - start > total
+
+
+# ---------------------------------------------------------------- the compile-storm policy (dispatch/storm.py)
+_storm_lib = torch.library.Library("torchtpu_storm_test", "DEF")
+_storm_lib.define("twice(Tensor x) -> Tensor")
+_storm_lib.impl("twice", lambda x: x * 2, "CPU")
+_storm_lib.impl("twice", lambda x: torch.empty_like(x), "Meta")
+
+
+@pytest.fixture
+def storm_op():
+    """A fresh op (its own executable cache) with a tpu lowering and a CPU kernel."""
+    from torchtpu.dispatch import install, lowering
+
+    if "torchtpu_storm_test::twice.default" not in lowering.LOWERINGS:
+        lowering.lower("torchtpu_storm_test::twice")(lambda x: x * 2)
+        install.install()
+    yield torch.ops.torchtpu_storm_test.twice
+    torchtpu.set_shape_storm_policy(None)  # the suite runs with the policy off (tests/conftest.py)
+
+
+def _twice_on(n, dtype=torch.float32):
+    x = torch.arange(n, dtype=dtype)
+    got = torch.ops.torchtpu_storm_test.twice(x.to("tpu"))
+    assert got.device.type == "tpu"
+    torch.testing.assert_close(got.cpu(), x * 2)
+
+
+def test_storm_policy_stops_compiling_new_small_shapes(storm_op):
+    torchtpu.set_shape_storm_policy(executables=3, max_numel=1000, compile_after=2)
+    metrics.reset()
+    for n in range(1, 41):  # 40 distinct small shapes
+        _twice_on(n)
+    snap = metrics.snapshot()
+    assert snap["cache_misses"]["torchtpu_storm_test::twice"] == 3  # then no more executables
+    assert snap["shape_generic_calls"]["torchtpu_storm_test::twice"] == 37
+    assert not snap["cpu_fallbacks"]
+    _twice_on(20)  # a shape met again is worth its executable
+    assert metrics.snapshot()["cache_misses"]["torchtpu_storm_test::twice"] == 4
+    _twice_on(2000)  # large tensors always compile
+    _twice_on(300, torch.float64)  # so does any op with the CPU fallback off
+    torchtpu.set_cpu_fallback(False)
+    try:
+        _twice_on(301, torch.float64)
+    finally:
+        torchtpu.set_cpu_fallback(True)
+    snap = metrics.snapshot()
+    assert snap["cache_misses"]["torchtpu_storm_test::twice"] == 6
+    assert snap["shape_generic_calls"]["torchtpu_storm_test::twice"] == 38
+
+
+def test_storm_policy_leaves_pending_inputs_to_defer_and_fuse(storm_op):
+    def pending(n):  # an add whose executable exists: recorded, its result pending
+        return torch.arange(n, dtype=torch.float32).to("tpu") + 1
+
+    with torchtpu.execution_mode("defer_and_fuse"):
+        for n in (5, 6):
+            pending(n).cpu()
+    _twice_on(1)
+    torchtpu.set_shape_storm_policy(executables=1, max_numel=1000)
+    metrics.reset()
+    with torchtpu.execution_mode("defer_and_fuse"):
+        for n in (5, 6):  # a new shape of a pending input is recorded (running it would flush)
+            torch.testing.assert_close(storm_op(pending(n)).cpu(), (torch.arange(n) + 1.0) * 2)
+        _twice_on(7)  # a new shape of a concrete input runs shape-generically
+    snap = metrics.snapshot()
+    assert snap["shape_generic_calls"] == {"torchtpu_storm_test::twice": 1}
+    assert snap["cache_misses"]["torchtpu_storm_test::twice"] == 2
+    assert "materialize" not in snap["flushes"]
+
+
+def test_storm_policy_runs_in_place_ops_with_cpu_semantics(storm_op):
+    torchtpu.set_shape_storm_policy(executables=1, max_numel=1 << 16, compile_after=100)
+    metrics.reset()
+    for n in range(3, 13):
+        idx = torch.tensor([0, n - 1, 0, 1])
+        v = torch.arange(4.0) + n
+        want = torch.zeros(n).index_put_((idx,), v, accumulate=True)
+        x = torch.zeros(n, device="tpu")
+        view = x[1:]  # the base sees the write made through the policy's CPU path
+        out = x.index_put_((idx.to("tpu"),), v.to("tpu"), accumulate=True)
+        assert out is x
+        torch.testing.assert_close(x.cpu(), want)
+        torch.testing.assert_close(view.cpu(), want[1:])
+    assert metrics.snapshot()["shape_generic_calls"]["aten::index_put_"] >= 9

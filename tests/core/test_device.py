@@ -307,11 +307,25 @@ def test_zero_dim_cpu_tensor_is_a_scalar():
         (lambda: torch.zeros(2, dtype=torch.complex32).to("tpu"), "complex32"),
         (lambda: torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.quint8).to("tpu"), "quint8"),
         (lambda: torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.qint8).tpu(), "qint8"),
+        (lambda: torch.ones(2, dtype=torch.float16, device="tpu").view(torch.complex32), "complex32"),
+        (lambda: torch.ones(2, device="tpu").chalf(), "complex32"),
+        (lambda: torch.quantize_per_tensor(torch.ones(2, device="tpu"), 0.1, 0, torch.qint8), "qint8"),
+        (lambda: torch.empty(2, dtype=torch.qint32, device="tpu"), "qint32"),
     ],
 )
 def test_unsupported_dtype_error(make, name):
     with pytest.raises((TypeError, RuntimeError), match=rf"dtype torch\.{name} is not supported on tpu"):
         make()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+                                   torch.float8_e5m2fnuz, torch.float8_e8m0fnu])
+def test_float8_dtypes_round_trip(dtype):
+    x = torch.tensor([0.5, 1.0, 2.0, 4.0]).to(dtype)
+    t = x.to("tpu")
+    assert t.dtype == dtype
+    assert torch.equal(t.cpu().view(torch.uint8), x.view(torch.uint8))
+    assert torch.equal((t.float() * 2).cpu(), x.float() * 2)
 
 
 def test_numpy_says_cpu_first():

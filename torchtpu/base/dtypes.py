@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -25,6 +27,9 @@ _TORCH_TO_JAX = {
     torch.complex128: jnp.complex128,
     torch.float8_e4m3fn: jnp.float8_e4m3fn,
     torch.float8_e5m2: jnp.float8_e5m2,
+    torch.float8_e4m3fnuz: jnp.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz: jnp.float8_e5m2fnuz,
+    torch.float8_e8m0fnu: jnp.float8_e8m0fnu,
 }
 _JAX_TO_TORCH = {np.dtype(v): k for k, v in _TORCH_TO_JAX.items()}
 
@@ -33,6 +38,9 @@ _BITCAST_VIA = {
     torch.bfloat16: (torch.int16, np.int16),
     torch.float8_e4m3fn: (torch.int8, np.int8),
     torch.float8_e5m2: (torch.int8, np.int8),
+    torch.float8_e4m3fnuz: (torch.int8, np.int8),
+    torch.float8_e5m2fnuz: (torch.int8, np.int8),
+    torch.float8_e8m0fnu: (torch.uint8, np.uint8),
 }
 
 
@@ -44,6 +52,12 @@ def to_jax(dtype: torch.dtype):
             f"torchtpu: dtype {dtype} is not supported on tpu "
             f"(supported: {', '.join(str(d).removeprefix('torch.') for d in _TORCH_TO_JAX)})"
         ) from None
+
+
+@functools.lru_cache(maxsize=None)
+def scalar_type_name(dtype: torch.dtype) -> str:
+    """PyTorch's C++ name of ``dtype`` as its error messages spell it (``Float``, ``Long``, ``BFloat16``)."""
+    return torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")
 
 
 def to_torch(jdtype) -> torch.dtype:
@@ -68,18 +82,17 @@ def cpu_tensor_to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def numpy_to_torch(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of ``dtype`` holding a copy of ``arr`` (or ``arr``'s memory when it is writable
-    and contiguous)."""
+    """A CPU tensor of ``dtype`` holding a copy of ``arr`` in torch's own memory (resizable, as
+    ``out=`` kernels and ``resize_`` need; a tensor over numpy's memory is not)."""
+    arr = np.asarray(arr)
     via = _BITCAST_VIA.get(dtype)
     if via is not None:
-        arr = np.ascontiguousarray(arr).reshape(arr.shape).view(via[1])  # ascontiguousarray makes 0-d 1-d
-        return torch.from_numpy(arr.copy()).view(dtype)
-    if not arr.flags.writeable:
-        arr = arr.copy()
-    out = torch.from_numpy(np.ascontiguousarray(arr).reshape(arr.shape))
-    if out.dtype != dtype:
-        out = out.to(dtype)
-    return out
+        arr = arr.view(via[1])
+    src = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+    out = torch.empty(arr.shape, dtype=src.dtype if via is None else via[0]).copy_(src)
+    if via is not None:
+        return out.view(dtype)
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def numpy_view_as_torch(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

@@ -4,6 +4,7 @@ line of model or user code that caused them, not a line inside torch, JAX or tor
 from __future__ import annotations
 
 import sys
+import warnings
 
 _internal_code: dict = {}  # code object -> is it runtime code (decided once per code object)
 
@@ -40,3 +41,26 @@ def user_site(depth: int = 1):
         return None
     c = f.f_code
     return (c.co_filename, f.f_lineno, c.co_name)
+
+
+def warn_at_user_line(message: str, category=UserWarning) -> None:
+    """``warnings.warn`` attributed to the nearest user line (as PyTorch's C++ warnings are), so the
+    user's filters and the once-per-location rule apply to their code, not to torchtpu's."""
+    f = user_frame(sys._getframe(1))
+    if f is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    g = f.f_globals
+    warnings.warn_explicit(message, category, f.f_code.co_filename, f.f_lineno,
+                           module=g.get("__name__", "<unknown>"), registry=g.setdefault("__warningregistry__", {}))
+
+
+_warned_once: set = set()
+
+
+def warn_once_at_user_line(message: str, category=UserWarning) -> None:
+    """``warn_at_user_line`` once per process for each message (PyTorch's ``TORCH_WARN_ONCE``)."""
+    if message in _warned_once:
+        return
+    _warned_once.add(message)
+    warn_at_user_line(message, category)

@@ -15,14 +15,13 @@ import collections
 import contextlib
 import copy
 import os
-import sys
 import threading
 import warnings
 
 import jax
 import torch
 
-from .frames import user_frame
+from .frames import warn_at_user_line
 
 _lock = threading.Lock()
 _state = {
@@ -35,6 +34,7 @@ _state = {
     "compiles_by_bucket": collections.Counter(),  # bucket key -> XLA compiles inside its scope
     "misses_by_bucket": collections.defaultdict(collections.Counter),  # bucket key -> op -> executables
     "bucket_overflows": collections.Counter(),  # "[policy:]truncate|split|...": count
+    "shape_generic_calls": collections.Counter(),  # op -> calls run by the compile-storm policy on CPU
 }
 
 # ---------------------------------------------------------------- bucket scopes
@@ -214,25 +214,19 @@ def _warn_recompiles(op, n, threshold, log):
         "torchtpu.bucketing.set_recompile_warning_threshold(n) or "
         "TORCHTPU_RECOMPILE_WARNING_THRESHOLD changes the threshold."
     )
-    frame = user_frame(sys._getframe(1))
-    if frame is None:
-        warnings.warn(msg, RecompileWarning, stacklevel=2)
-    else:
-        g = frame.f_globals
-        warnings.warn_explicit(
-            msg,
-            RecompileWarning,
-            frame.f_code.co_filename,
-            frame.f_lineno,
-            module=g.get("__name__", "<unknown>"),
-            registry=g.setdefault("__warningregistry__", {}),
-        )
+    warn_at_user_line(msg, RecompileWarning)
 
 
 # ---------------------------------------------------------------- other counters
 def record_fallback(op):
     with _lock:
         _state["cpu_fallbacks"][op] += 1
+
+
+def record_shape_generic(op):
+    """One call of ``op`` run shape-generically by the compile-storm policy (dispatch/storm.py)."""
+    with _lock:
+        _state["shape_generic_calls"][op] += 1
 
 
 def record_flush(reason):
@@ -251,10 +245,11 @@ def snapshot() -> dict:
     ``cpu_fallbacks`` (op -> count), ``flushes`` (reason -> count), ``compile_time_s``,
     ``compiles_by_bucket`` (bucket key -> XLA compiles inside ``bucket_scope``),
     ``misses_by_bucket`` (bucket key -> op -> executables built), ``bucket_overflows``
-    (kind -> count)."""
+    (kind -> count), ``shape_generic_calls`` (op -> calls the compile-storm policy ran on CPU)."""
     with _lock:
         out = copy.deepcopy(_state)
-    for k in ("cache_misses", "cpu_fallbacks", "flushes", "compiles_by_bucket", "bucket_overflows"):
+    for k in ("cache_misses", "cpu_fallbacks", "flushes", "compiles_by_bucket", "bucket_overflows",
+              "shape_generic_calls"):
         out[k] = dict(out[k])
     out["misses_by_bucket"] = {k: dict(v) for k, v in out["misses_by_bucket"].items()}
     return out
@@ -267,7 +262,7 @@ def reset():
         _state["cache_hits"] = 0
         _state["compile_time_s"] = 0.0
         for k in ("cache_misses", "cpu_fallbacks", "flushes", "compiles_by_bucket", "misses_by_bucket",
-                  "bucket_overflows"):
+                  "bucket_overflows", "shape_generic_calls"):
             _state[k].clear()
         _warned.clear()
         _shape_log.clear()

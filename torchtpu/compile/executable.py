@@ -86,7 +86,7 @@ def _arg_array(t):
     """(jax value of tensor argument ``t``, whether it is ``t``'s whole storage buffer)."""
     if t.device.type == "tpu":
         buf = storage.storage_data(t).buf
-        if buf.shape == t.shape and t.is_contiguous() and t.storage_offset() == 0:
+        if buf.shape == t.shape and t.is_contiguous() and t.storage_offset() == 0 and not (t.is_conj() or t.is_neg()):
             return buf, True
         return storage.logical_value(t), False
     return _input_value(t), False

@@ -78,6 +78,13 @@ def run_on_cpu(op, *args, **kwargs):
             stacklevel=3,
         )
     metrics.record_fallback(name)
+    return run_on_host(op, *args, **kwargs)
+
+
+def run_on_host(op, *args, **kwargs):
+    """Run ``op`` through PyTorch's CPU kernel: tpu arguments copied to the host, mutated ones
+    written back, results moved to tpu. No checks, warnings or counting (``run_on_cpu`` and the
+    compile-storm policy, ``storm.py``, decide when it is used)."""
     cpu_args, cpu_kwargs = pytree.tree_map(_to_cpu, (args, kwargs))
     out = op(*cpu_args, **cpu_kwargs)
 

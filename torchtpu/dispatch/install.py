@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..base.opnames import op_from_name, qualified_name
-from ..runtime import storage
+from ..base.dtypes import scalar_type_name
+from ..base.frames import warn_at_user_line
 from .kernel import MIXED_DEVICE, Kernel
 from .lowering import IMPLS, LOWERINGS
 
@@ -137,10 +138,18 @@ def _make_out_kernel(op, fop, out_names):
         for o, r in zip(outs, res_flat):
             if o.device.type != "tpu":
                 raise RuntimeError(MIXED_DEVICE.format("tpu:0", o.device))
-            if tuple(o.shape) != tuple(r.shape):
-                storage.replace_storage(o, r.shape, None)
             if o.dtype != r.dtype and not torch.can_cast(r.dtype, o.dtype):
-                raise RuntimeError(f"result type {r.dtype} can't be cast to the desired output type {o.dtype}")
+                raise RuntimeError(f"result type {scalar_type_name(r.dtype)} can't be cast to the desired output "
+                                   f"type {scalar_type_name(o.dtype)}")
+            if tuple(o.shape) != tuple(r.shape):
+                if o.numel():  # PyTorch's resize_output warning
+                    warn_at_user_line(
+                        f"An output with one or more elements was resized since it had shape {list(o.shape)}, which "
+                        f"does not match the required output shape {list(r.shape)}. This behavior is deprecated, and "
+                        "in a future PyTorch release outputs will not be resized unless they have zero elements. You "
+                        "can explicitly reuse an out tensor t by resizing it, inplace, to zero elements with "
+                        "t.resize_(0).")
+                o.resize_(r.shape)
             o.copy_(r)
         return outs[0] if len(outs) == 1 else tuple(outs)
 

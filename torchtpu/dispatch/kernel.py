@@ -11,6 +11,7 @@ executable is recorded (runtime/recorder.py) instead of run.
 from __future__ import annotations
 
 import math
+import os
 import threading
 
 import jax
@@ -24,7 +25,8 @@ from ..base.rng import next_key_data as _next_key_data
 from ..runtime import layout as _layout
 from ..runtime.modes import deferring
 from ..runtime.recorder import RECORDER, LazyBuf, token_of
-from ..runtime.storage import new_tensor, storage_data
+from ..runtime.storage import new_tensor, storage_data, to_device
+from . import storm
 from .lowering import Lowering
 
 aten = torch.ops.aten
@@ -59,11 +61,38 @@ def _freeze(v):
     return v
 
 
+_index_bound_checks = os.environ.get("TORCHTPU_CHECK_INDEX_BOUNDS", "0") not in ("", "0", "false", "False")
+
+
+def set_index_bound_checks(enabled: bool) -> None:
+    """Check index values as PyTorch does on CPU (``IndexError: index 5 is out of bounds ...``) for
+    index tensors on tpu too. It reads them to the host: a device sync (and under DeferAndFuse a
+    flush) per indexing op, so it is off by default (``TORCHTPU_CHECK_INDEX_BOUNDS=1`` turns it on).
+    Index tensors on the CPU are always checked; unchecked out-of-range indices read a fill value
+    (NaN for floats) and are dropped by scatters."""
+    global _index_bound_checks
+    _index_bound_checks = bool(enabled)
+
+
+def index_bound_checks_enabled() -> bool:
+    return _index_bound_checks
+
+
 MIXED_DEVICE = "Expected all tensors to be on the same device, but found at least two devices, {} and {}!"
 
 
 def _is_meta_leaf(x):
-    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype)
+    # (shape, dtype), or (shape, dtype, strides) when PyTorch's meta lays the output out otherwise
+    # than contiguously (channels_last, a permuted input's layout kept by an elementwise op)
+    return isinstance(x, tuple) and len(x) in (2, 3) and isinstance(x[1], torch.dtype)
+
+
+def _meta_leaf(t):
+    shape = tuple(t.shape)
+    stride = t.stride()
+    if _layout.is_contiguous(shape, stride) or not t.numel() or not _layout.is_dense(shape, stride):
+        return (shape, t.dtype)
+    return (shape, t.dtype, stride)
 
 
 class _Entry:
@@ -98,6 +127,7 @@ class Kernel:
         self.lowering = lowering
         self.functional = functional or op
         self.inplace = functional is not None
+        self.warn = lowering.warn
         self.args = list(schema.arguments)
         self.nargs = len(self.args)
         self.npos = sum(1 for a in self.args if not a.kwarg_only)
@@ -171,17 +201,34 @@ class Kernel:
             dyn.append(_next_key_data())
         key = tuple(key)
         entry = self.cache.get(key)
+        if entry is None and storm.POLICY.executables is not None and len(self.cache) >= storm.POLICY.executables:
+            # under DeferAndFuse only with nothing pending: the host copies would flush the graph
+            numel = -1 if RECORDER.pending else sum(b.size for b in bufs)
+            if numel >= 0 and storm.run_shape_generic(self, key, numel):
+                return storm.run(self, vals)  # CPU's kernel makes CPU's checks and warnings
+        if self.warn is not None:
+            self.warn(*vals, inplace=self.inplace)
+        if _index_bound_checks and self.lowering.check is not None:
+            self.lowering.check(*vals)
         if entry is None:
             entry = self._build(key, vals, len(bufs))
             metrics.record_miss(self.name, key)
+            built = True
         else:
             _record_hit()
+            built = False
         if deferring():
             outs = _record(entry.fn, bufs, dyn, entry.out_numels, self.name, entry.token)
         else:
             if RECORDER.pending:  # pending work recorded in another context
                 bufs = [RECORDER.materialize(b, "materialize") if type(b) is LazyBuf else b for b in bufs]
-            outs = entry.fn(*bufs, *dyn)
+            try:
+                outs = entry.fn(*bufs, *dyn)
+            except Exception:
+                if built:  # traced just now: an input PyTorch's meta let through reached the lowering
+                    self.cache.pop(key, None)
+                    self._raise_cpu_error(vals, dtype_errors=True)
+                raise
         return self._wrap(vals, outs, entry)
 
     def _tensor_key(self, t, bufs, dyn):
@@ -197,7 +244,10 @@ class Kernel:
                 sd.retype(dt)
             buf = sd.raw_buf
             bufs.append(buf)
-            return ((t.shape, t.stride(), t.storage_offset()), dt, buf.numel if type(buf) is LazyBuf else buf.size)
+            k = ((t.shape, t.stride(), t.storage_offset()), dt, buf.numel if type(buf) is LazyBuf else buf.size)
+            if t.is_conj() or t.is_neg():  # a lazy conj()/neg view: the executable applies the bits
+                return k + (_layout.math_bits(t),)
+            return k
         return self._other_key(t, bufs, dyn)
 
     def _other_key(self, t, bufs, dyn):
@@ -211,14 +261,16 @@ class Kernel:
                 dyn.append(jnp.asarray(dtypes.cpu_tensor_to_numpy(t)))
                 return ("cpu0", t.dtype)
             if self.lowering.allow_cpu:
-                arr = jnp.asarray(dtypes.cpu_tensor_to_numpy(t.contiguous()))
+                arr = to_device(dtypes.cpu_tensor_to_numpy(t.contiguous()))
                 bufs.append(arr)
                 return ((tuple(t.shape), _layout.contiguous_strides(tuple(t.shape)), 0), t.dtype, arr.size)
             raise RuntimeError(MIXED_DEVICE.format("tpu:0", t.device))
         buf = storage_data(t).raw_buf
         bufs.append(buf)
         n = buf.numel if type(buf) is LazyBuf else buf.size
-        return ((t.shape, t.stride(), t.storage_offset()), t.dtype, n)
+        k = ((t.shape, t.stride(), t.storage_offset()), t.dtype, n)
+        bits = _layout.math_bits(t)
+        return k if bits is None else k + (bits,)
 
     # ---------------------------------------------------------------- building an executable
     def _meta_args(self, vals):
@@ -249,7 +301,11 @@ class Kernel:
             if out_meta is None and not self.inplace:
                 # no meta kernel: take shapes from abstract evaluation of the lowering
                 avals = _avals_of(vals, key, self.kinds, self.lowering.random)
-                shaped = jax.eval_shape(inner, *avals)
+                try:
+                    shaped = jax.eval_shape(inner, *avals)
+                except Exception:
+                    self._raise_cpu_error(vals)
+                    raise
                 out_meta = pytree.tree_map(lambda a: (tuple(a.shape), dtypes.to_torch(a.dtype)), shaped)
 
             def flat(*xs):
@@ -261,33 +317,80 @@ class Kernel:
                     k = key[1 + i]
                     numels.extend(x[2] for x in (k if self.kinds[i] in (_TL, _OTL) else (k,)))
             else:
-                numels = [math.prod(shape) for shape, _ in pytree.tree_leaves(out_meta, is_leaf=_is_meta_leaf)]
+                numels = [math.prod(m[0]) for m in pytree.tree_leaves(out_meta, is_leaf=_is_meta_leaf)]
             entry = _Entry(jax.jit(flat), out_meta, numels)
             if deferring():
                 # trace now, so a lowering error surfaces at the user's line, not at the flush
-                jax.eval_shape(entry.fn, *_avals_of(vals, key, self.kinds, self.lowering.random))
+                try:
+                    jax.eval_shape(entry.fn, *_avals_of(vals, key, self.kinds, self.lowering.random))
+                except Exception:
+                    self._raise_cpu_error(vals)
+                    raise
             self.cache[key] = entry
             return entry
 
     def _compute_meta(self, vals):
-        """Output (shape, dtype) tree from PyTorch's meta kernel (None if there is none)."""
+        """Output (shape, dtype[, strides]) tree from PyTorch's meta kernel (None if there is none)."""
         margs = self._meta_args(vals)
         pos = margs[: self.npos]
         kw = {self.names[i]: margs[i] for i in range(self.npos, len(margs))}
-        if self.lowering.meta is not None:
-            out = self.lowering.meta(*pos, **kw)
-        else:
-            try:
+        try:
+            if self.lowering.meta is not None:
+                out = self.lowering.meta(*pos, **kw)
+            else:
                 # for in-place ops this validates shapes and casts the way PyTorch does
                 out = self.op(*pos, **kw)
-            except (NotImplementedError, RuntimeError) as e:
-                msg = str(e).lower()
-                if "meta" in msg and ("not implemented" in msg or "could not run" in msg):
-                    return None
-                raise
+        except Exception as e:
+            msg = str(e).lower()
+            if isinstance(e, (NotImplementedError, RuntimeError)) and "meta" in msg and (
+                    "not implemented" in msg or "could not run" in msg or "no fake impl or meta kernel" in msg):
+                return None
+            # PyTorch's meta kernels check what CPU checks, but some word it differently or raise
+            # another type: the user gets CPU's own error
+            self._raise_cpu_error(vals)
+            raise
         if self.inplace:
+            self._check_overlap(vals)
             return None
-        return pytree.tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t, out)
+        return pytree.tree_map(lambda t: _meta_leaf(t) if isinstance(t, torch.Tensor) else t, out)
+
+    def _check_overlap(self, vals):
+        """CPU refuses most in-place writes into a tensor whose elements share memory (an expanded
+        one); PyTorch's meta kernels cannot see it (meta tensors have no memory)."""
+        if short_name(self.functional) in _OVERLAP_WRITES_ALLOWED:
+            return
+        for i in self.mutated:
+            for t in (vals[i] if self.kinds[i] in (_TL, _OTL) else (vals[i],)):
+                if isinstance(t, torch.Tensor):
+                    check_no_internal_overlap(t)
+
+    def _raise_cpu_error(self, vals, dtype_errors=False):
+        """Raise the error PyTorch's CPU kernel gives for this call's shapes, dtypes and arguments
+        (inputs zero-filled), if it gives one: the bad input is the user's, and the error must be
+        the one they would get on CPU. Returns if CPU accepts the call (the error is torchtpu's).
+        CPU's "not implemented for <dtype>" replaces only an error of the lowering
+        (``dtype_errors``), never a shape error of PyTorch's meta kernel."""
+        cpu = []
+        numel = 0
+        for i, v in enumerate(vals):
+            if self.kinds[i] in (_TL, _OTL):
+                v = [_cpu_zeros(x) for x in v]
+                numel += sum(x.numel() for x in v if isinstance(x, torch.Tensor))
+            else:
+                v = _cpu_zeros(v)
+                numel += v.numel() if isinstance(v, torch.Tensor) else 0
+            cpu.append(v)
+        if numel > _CPU_ERROR_MAX_NUMEL:
+            return
+        try:
+            # (the warnings CPU emits on its way to the error reach the user, as they would on CPU)
+            self.op(*cpu[: self.npos], **{self.names[i]: cpu[i] for i in range(self.npos, len(cpu))})
+        except NotImplementedError as e:
+            if "Could not run" in str(e) or not dtype_errors:
+                return  # no CPU kernel, or CPU lacks the dtype: it says nothing about the shapes meta refused
+            raise e.with_traceback(None) from None
+        except Exception as e:
+            raise e.with_traceback(None) from None
 
     def _make_inner(self, key, vals, out_meta):
         """The traced function: flat buffers and dynamic scalars -> outputs (or new buffers)."""
@@ -307,7 +410,8 @@ class Kernel:
             def read_tensor(k):
                 if k[0] in _NOBUF:
                     return jnp.asarray(next(di))
-                return _layout.read(next(bi), k[0])
+                v = _layout.read(next(bi), k[0])
+                return v if len(k) == 3 else _layout.apply_math_bits(v, k[3])
 
             args = []
             for i, kind in enumerate(kinds):
@@ -339,7 +443,8 @@ class Kernel:
                     f"torchtpu lowering of {name} returned {len(flat_out)} outputs, PyTorch's meta gives {len(metas)}"
                 )
             fixed = []
-            for o, (shape, dt) in zip(flat_out, metas):
+            for o, m in zip(flat_out, metas):
+                shape, dt = m[0], m[1]
                 o = jnp.asarray(o)
                 if tuple(o.shape) != tuple(shape):
                     if o.ndim == 0:
@@ -351,7 +456,10 @@ class Kernel:
                             f"torchtpu lowering of {name} returned shape {tuple(o.shape)}, "
                             f"PyTorch's meta gives {tuple(shape)}"
                         )
-                fixed.append(o.astype(dtypes.to_jax(dt)))
+                o = _layout.cast(o, dtypes.to_jax(dt))
+                if len(m) > 2:  # a non-contiguous dense layout: the buffer holds the elements in its order
+                    o = _layout.to_physical(o, m[2])
+                fixed.append(o)
             return fixed
 
         return inner
@@ -363,23 +471,28 @@ class Kernel:
             it = iter(outs)
             for i in self.mutated:
                 v = vals[i]
+                # the new buffer holds the written tensor's dtype (another input over the same
+                # storage, a view(dtype), may have retyped it since the key was built)
                 if self.kinds[i] in (_TL, _OTL):
                     for t in v:
-                        t.untyped_storage()._tpu.buf = next(it)
+                        sd = t.untyped_storage()._tpu
+                        sd.buf = next(it)
+                        sd.dtype = t.dtype
                 else:
-                    v.untyped_storage()._tpu.buf = next(it)
+                    sd = v.untyped_storage()._tpu
+                    sd.buf = next(it)
+                    sd.dtype = v.dtype
             if self.n_returns == 0:
                 return None
             rets = [vals[i] for i in self.mutated]
             return rets[0] if len(rets) == 1 else tuple(rets)
         if entry.single:
-            shape, dt = entry.out_meta
-            return new_tensor(shape, dt, outs[0])
+            return new_tensor(*entry.out_meta[:2], outs[0], *entry.out_meta[2:])
         if entry.flat is not None:
-            tensors = [new_tensor(shape, dt, o) for (shape, dt), o in zip(entry.out_meta, outs)]
+            tensors = [new_tensor(*m[:2], o, *m[2:]) for m, o in zip(entry.out_meta, outs)]
             return tensors if entry.flat is list else tuple(tensors)
         leaves, treedef = entry.treedef
-        tensors = [new_tensor(shape, dt, o) for (shape, dt), o in zip(leaves, outs)]
+        tensors = [new_tensor(*m[:2], o, *m[2:]) for m, o in zip(leaves, outs)]
         return pytree.tree_unflatten(tensors, treedef)
 
 
@@ -467,6 +580,8 @@ def _write_mutated(name, key, kinds, mutated, bufs, flat_out):
             targets = [(k, _buffer_index(key, kinds, i, None))]
         for kk, bidx in targets:
             value = jnp.asarray(flat_out[pos])
+            if len(kk) > 3:  # written through a conj()/neg view: store what reads give back as value
+                value = _layout.apply_math_bits(_layout.cast(value, bufs[bidx].dtype), kk[3])
             size = tuple(kk[0][0])
             if jnp.broadcast_shapes(value.shape, size) != size:
                 raise RuntimeError(
@@ -497,6 +612,32 @@ def _buffer_index(key, kinds, arg_i, list_pos):
 
 
 _NOBUF = ("cpu0", "num")
+# in-place ops CPU lets write into an expanded tensor (the scatters warn: see ops/indexing.py)
+_OVERLAP_WRITES_ALLOWED = frozenset({
+    "aten::fill.Scalar", "aten::fill.Tensor", "aten::zero", "aten::masked_fill.Scalar", "aten::masked_fill.Tensor",
+    "aten::index_fill.int_Scalar", "aten::index_fill.int_Tensor", "aten::index_put", "aten::_index_put_impl",
+    "aten::tril", "aten::triu",
+})
+_CPU_ERROR_MAX_NUMEL = 1 << 24  # zero-filled CPU twins larger than this are not worth an error message
+
+
+def check_no_internal_overlap(t: torch.Tensor) -> None:
+    """PyTorch's refusal to write into a tensor whose elements share memory (an expanded one)."""
+    if _layout.has_internal_overlap(t.shape, t.stride()):
+        raise RuntimeError(
+            "unsupported operation: more than one element of the written-to tensor refers to a single "
+            "memory location. Please clone() the tensor before performing the operation.")
+
+
+def _cpu_zeros(v):
+    """A zero-filled CPU twin of tensor ``v`` (same shape, strides, dtype); a tpu device becomes cpu."""
+    if isinstance(v, torch.Tensor):
+        if v.device.type == "cpu":
+            return v
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype).zero_()
+    if isinstance(v, torch.device) and v.type == "tpu":
+        return torch.device("cpu")
+    return v
 _record = RECORDER.record
 _record_hit = metrics.record_hit
 _META_DEVICE = torch.device("meta")

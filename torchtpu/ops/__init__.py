@@ -12,4 +12,5 @@ from . import (  # noqa: F401
     random_ops,
     reductions,
     shape,
+    special,
 )

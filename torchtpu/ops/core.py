@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
 from ..base import dtypes
-from ..dispatch.kernel import Kernel
+from ..base.frames import warn_once_at_user_line
+from ..dispatch.kernel import Kernel, check_no_internal_overlap
 from ..dispatch.lowering import LOWERINGS, impl, lower
-from ..runtime import layout, storage
+from ..runtime import layout as _layout
+from ..runtime import storage
 from ..runtime.device import check_device
-from ..runtime.storage import logical_value
 
 aten = torch.ops.aten
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -48,18 +48,15 @@ for _name in (
     impl(_qual)(_metadata_view(getattr(getattr(aten, _pkt), _ov)))
 
 
+_view_dtype_metadata = _metadata_view(aten.view.dtype)
+
+
 @impl("view.dtype")
 def _view_dtype(self, dtype):
-    if dtype == self.dtype:
-        return aten.alias.default(self)
-    if dtype.itemsize != self.dtype.itemsize:
-        raise RuntimeError(
-            f"torchtpu: view(dtype) between dtypes of different sizes ({self.dtype} -> {dtype}) "
-            "is not supported on tpu"
-        )
-    value = jax.lax.bitcast_convert_type(logical_value(self), dtypes.to_jax(dtype))
-    # a bitcast view shares no buffer with its source on XLA: results are a copy
-    return storage.new_tensor(self.shape, dtype, value)
+    # PyTorch's own kernel: its checks and messages, a view of the same storage (the storage's
+    # buffer is reinterpreted in the new dtype when it is next read: StorageData.retype)
+    dtypes.to_jax(dtype)  # refuse a dtype tpu cannot hold (complex32) by name, before any view exists
+    return _view_dtype_metadata(self, dtype)
 
 
 # ---------------------------------------------------------------- factories
@@ -75,6 +72,10 @@ def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_f
     dtype = _check_factory(device, dtype)
     if any(s < 0 for s in size):
         raise RuntimeError(f"Trying to create tensor with negative dimension {min(size)}: {list(size)}")
+    if memory_format is not None and memory_format != torch.contiguous_format:
+        # PyTorch's strides for the format (channels_last...), and its error for a format empty refuses
+        stride = torch.empty(size, device="meta", memory_format=memory_format).stride()
+        return storage.new_tensor(size, dtype, stride=stride)
     return storage.new_tensor(size, dtype)
 
 
@@ -113,12 +114,20 @@ def _arange1(start, end, dtype=None, layout=None, device=None, pin_memory=None):
 
 # ---------------------------------------------------------------- copies
 def _cpu_to_jax(t: torch.Tensor):
-    return jnp.asarray(dtypes.cpu_tensor_to_numpy(t.contiguous()))
+    return storage.to_device(dtypes.cpu_tensor_to_numpy(t.contiguous()))
 
 
-@lower("copy")
+_COMPLEX_TO_REAL = "Casting complex values to real discards the imaginary part"
+
+
+def _warn_complex_to_real(src_dtype, dst_dtype):
+    if src_dtype.is_complex and not dst_dtype.is_complex:
+        warn_once_at_user_line(_COMPLEX_TO_REAL)
+
+
+@lower("copy", warn=lambda dst, src, non_blocking=False, inplace=False: _warn_complex_to_real(src.dtype, dst.dtype))
 def _copy(dst, src, non_blocking=False):
-    return jnp.broadcast_to(src, dst.shape).astype(dst.dtype)
+    return _layout.cast(jnp.broadcast_to(src, dst.shape), dst.dtype)
 
 
 @lower("_to_copy")
@@ -133,11 +142,13 @@ _to_copy_kernel = Kernel(aten._to_copy.default, LOWERINGS["aten::_to_copy.defaul
 @impl("copy_")
 def _copy_(dst, src, non_blocking=False):
     if dst.device.type == "tpu":
+        _warn_complex_to_real(src.dtype, dst.dtype)
         if src.device.type == "tpu":
             # recorded like any op under DeferAndFuse
             return _copy_inplace(dst, src, non_blocking)
         elif src.device.type == "cpu":
-            value = _cpu_to_jax(src)
+            check_no_internal_overlap(dst)
+            value = dtypes.cpu_tensor_to_numpy(src)
         else:
             raise RuntimeError(f"torchtpu: cannot copy from {src.device} to tpu")
         storage.write_value(dst, value)
@@ -161,13 +172,16 @@ class _null:
 def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
     dtype = self.dtype if dtype is None else dtype
     target = torch.device("tpu") if device is None else torch.device(device)
+    if target.type == "tpu":  # a copy to the CPU casts there, and CPU warns itself
+        _warn_complex_to_real(self.dtype, dtype)
     if self.device.type == "tpu" and target.type == "tpu":
         check_device(target)
-        return _to_copy_kernel(self, dtype=dtype)
+        return _to_copy_kernel(self, dtype=dtype, memory_format=memory_format)
     if self.device.type == "tpu" and target.type == "cpu":
         host = dtypes.numpy_to_torch(storage.to_numpy_host(self), self.dtype)
         if dtype != self.dtype:
             host = host.to(dtype)
+        host = _in_memory_format(host, self, memory_format)
         if pin_memory:
             host = host.pin_memory()
         return host
@@ -178,6 +192,16 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
     raise RuntimeError(f"torchtpu: cannot copy a tpu tensor to {target}")
 
 
+def _in_memory_format(host, like, memory_format):
+    """Contiguous CPU copy ``host`` of tpu tensor ``like`` laid out as PyTorch's ``_to_copy`` lays it:
+    ``like``'s own strides for a dense tensor under preserve_format, else the format asked for."""
+    if memory_format is None or memory_format == torch.preserve_format:
+        if like.is_contiguous() or not _layout.is_dense(like.shape, like.stride()):
+            return host
+        return torch.empty_strided(like.shape, like.stride(), dtype=host.dtype).copy_(host)
+    return host.contiguous(memory_format=memory_format)
+
+
 @impl("_local_scalar_dense")
 def _local_scalar_dense(self):
     arr = storage.to_numpy_host(self)
@@ -186,33 +210,17 @@ def _local_scalar_dense(self):
 
 @impl("resize_")
 def _resize_(self, size, memory_format=None):
-    size = tuple(size)
-    if tuple(self.shape) == size:
-        return self
-    old_numel = math.prod(self.shape)
-    new_numel = math.prod(size)
-    sd = storage.storage_data(self)
-    if new_numel <= sd.buf.size - self.storage_offset() and self.is_contiguous():
-        # fits in the existing storage: a metadata change, as on CPU
-        aten.set_.source_Storage_storage_offset(self, self.untyped_storage(), self.storage_offset(),
-                                                size, layout.contiguous_strides(size))
-        return self
-    flat = logical_value(self).reshape(-1) if old_numel else jnp.zeros((0,), dtypes.to_jax(self.dtype))
-    if new_numel > flat.shape[0]:
-        flat = jnp.concatenate([flat, jnp.zeros((new_numel - flat.shape[0],), flat.dtype)])
+    # PyTorch's meta resize_ on a twin with this tensor's storage size gives CPU's checks, messages,
+    # strides (memory formats included) and storage growth
+    st = self.untyped_storage()
+    twin = torch.empty(0, dtype=self.dtype, device="meta").set_(
+        torch.UntypedStorage(st.nbytes(), device="meta"), self.storage_offset(), self.shape, self.stride())
+    if memory_format is None:
+        twin.resize_(size)
     else:
-        flat = flat[:new_numel]
-    storage.replace_storage(self, size, flat)
+        twin.resize_(size, memory_format=memory_format)
+    nbytes = twin.untyped_storage().nbytes()
+    if nbytes > st.nbytes():
+        st = storage.grown_storage(self, nbytes)
+    aten.set_.source_Storage_storage_offset(self, st, twin.storage_offset(), twin.shape, twin.stride())
     return self
-
-
-# conj / neg views are lazy bits on the tensor that torchtpu's reads ignore:
-# materialize them (a copy, not a view), as XLA backends do
-@impl("_conj")
-def _conj_materialized(self):
-    return aten.conj_physical.default(self)
-
-
-@impl("_neg_view")
-def _neg_view_materialized(self):
-    return aten.neg.default(self)

@@ -42,10 +42,6 @@ aten = torch.ops.aten
 
 # Decompositions not used, with the reason.
 EXCLUDED = {
-    # they build the result by writing through ``.real`` / ``.imag`` views of a complex
-    # tensor, which tpu storages do not alias yet: the CPU fallback stays correct
-    "aten::complex.default": "writes through complex .real/.imag views",
-    "aten::polar.default": "writes through complex .real/.imag views",
     # their saved statistics differ from CPU's kernel (shape (C,) instead of (0,) in eval
     # mode, float32 instead of bfloat16), and PyTorch's meta kernel agrees with the
     # decomposition, so the per-call meta check below cannot tell

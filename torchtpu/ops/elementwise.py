@@ -4,11 +4,14 @@ lowerings here compute values and leave type promotion to the kernel executor.""
 from __future__ import annotations
 
 import jax
+import torch
 import jax.numpy as jnp
 from jax import lax
 from jax.scipy import special as jsp
 
+from ..base.frames import warn_at_user_line, warn_once_at_user_line
 from ..dispatch.lowering import lower
+from ..runtime import layout as _layout
 
 
 def _float(x):
@@ -316,6 +319,8 @@ for _name, _fn in _BINARY.items():
         except AttributeError:
             pass
 
+lower("complex")(lambda re, im: lax.complex(*jnp.broadcast_arrays(re, im)))
+lower("polar")(lambda r, theta: lax.complex(*jnp.broadcast_arrays(r * jnp.cos(theta), r * jnp.sin(theta))))
 lower("div.Tensor", "div.Scalar")(_div_true)
 lower("floor_divide.default", "floor_divide.Scalar")(_floor_divide)
 lower("remainder.Tensor", "remainder.Scalar")(_remainder)
@@ -454,7 +459,19 @@ def _clamp_max_t(x, max):
     return _clamp_t(x, max=max)
 
 
-@lower("where.self")
+_WHERE_UINT8 = ("where received a uint8 condition tensor. This behavior is deprecated and will be removed in a "
+                "future version of PyTorch. Use a boolean condition instead.")
+
+
+def _where_meta(cond, a, b):
+    # CPU takes a uint8 condition as bool, once with a deprecation warning (the meta kernel refuses it)
+    if cond.dtype == torch.uint8:
+        warn_once_at_user_line(_WHERE_UINT8)
+        cond = cond.to(torch.bool)
+    return torch.ops.aten.where.self(cond, a, b)
+
+
+@lower("where.self", meta=_where_meta)
 def _where(cond, a, b):
     a, b = _promote_pair(a, b)
     return jnp.where(cond, a, b)
@@ -475,11 +492,17 @@ def _addcdiv(x, t1, t2, value=1):
     return x + value * t1 / t2
 
 
-@lower("masked_fill.Scalar")
+def _masked_fill_expanded(x, *args, inplace=False):
+    if inplace and _layout.has_internal_overlap(x.shape, x.stride()):
+        warn_at_user_line("Use of masked_fill_ on expanded tensors is deprecated. Please clone() the tensor before "
+                          "performing this operation. This also applies to advanced indexing e.g. tensor[mask] = scalar")
+
+
+@lower("masked_fill.Scalar", warn=_masked_fill_expanded)
 def _masked_fill_s(x, mask, value):
     return jnp.where(mask, jnp.asarray(value).astype(x.dtype), x)
 
 
-@lower("masked_fill.Tensor")
+@lower("masked_fill.Tensor", warn=_masked_fill_expanded)
 def _masked_fill_t(x, mask, value):
     return jnp.where(mask, value.astype(x.dtype), x)

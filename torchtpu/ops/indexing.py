@@ -4,9 +4,13 @@ masked_scatter, take/put, embedding, and the data-dependent ops whose output
 shape depends on values (nonzero, masked_select, unique*, repeat_interleave).
 
 Indices are wrapped where PyTorch accepts negative indices (advanced indexing,
-take, put, index_fill). Indices PyTorch would reject as out of range cannot be
-checked without a device-to-host sync per op; gathers read them as a fill value
-(NaN for floats) and scatters drop them, never clamping to a valid element.
+take, put, index_fill). Index values PyTorch would reject as out of range raise
+PyTorch's error when they can be read without a device sync (index tensors on the
+CPU in advanced indexing) or while index bound checks are on
+(``torchtpu.set_index_bound_checks``: a sync per op); otherwise gathers read them
+as a fill value (NaN for floats) and scatters drop them, never clamping to a valid
+element. Shape and dtype errors are always PyTorch's, raised before JAX sees the
+input.
 
 Data-dependent ops are ``@impl`` kernels that read what they need on the host
 (the mask, the unique values) and build the result on the device.
@@ -19,10 +23,13 @@ import numpy as np
 import torch
 from jax import lax
 
+from ..base import dtypes
+from ..base.frames import warn_at_user_line, warn_once_at_user_line
+from ..base.opnames import normalize
 from ..dispatch import fallback
-from ..dispatch.kernel import Kernel
-from ..dispatch.lowering import Lowering, impl, lower
-from ..runtime import storage
+from ..dispatch.kernel import Kernel, index_bound_checks_enabled
+from ..dispatch.lowering import LOWERINGS, Lowering, impl, lower
+from ..runtime import layout, storage
 from ..runtime.storage import from_jax_array, logical_value
 
 aten = torch.ops.aten
@@ -64,7 +71,16 @@ def _bool_safe(x, fn):
 
 
 # ---------------------------------------------------------------- gather family
-@lower("index_select", static=("dim",))
+def _index_select_meta(x, dim, index):
+    # CPU checks the index before the meta kernel would (which lets both through)
+    if index.dim() > 1:
+        raise IndexError("index_select(): Index is supposed to be a vector")
+    if index.dtype not in (torch.int32, torch.int64):
+        raise RuntimeError("index_select(): Expected dtype int32 or int64 for index")
+    return aten.index_select.default(x, dim, index)
+
+
+@lower("index_select", static=("dim",), meta=_index_select_meta)
 def _index_select(x, dim, index):
     if x.ndim == 0:
         return _as1d(x).at[index.reshape(-1).astype(_I64)].get(mode="fill").reshape(index.shape if index.ndim else ())
@@ -124,7 +140,13 @@ def _scatter_value(x, dim, index, value):
     return _scatter(x, dim, index, value)
 
 
-@lower("scatter.reduce", static=("dim", "reduce"))
+_SCATTER_REDUCE_DEPRECATED = (
+    "The reduce argument of torch.scatter with Tensor src is deprecated and will be removed in a future PyTorch "
+    "release. Use torch.scatter_reduce instead for more reduction options.")
+
+
+@lower("scatter.reduce", static=("dim", "reduce"),
+       warn=lambda *args, inplace=False: warn_once_at_user_line(_SCATTER_REDUCE_DEPRECATED))
 def _scatter_reduce_legacy(x, dim, index, src, reduce):
     return _scatter(x, dim, index, src, reduce)
 
@@ -204,7 +226,14 @@ def _index_add(x, dim, index, source, alpha=1):
     return _bool_safe(x1, lambda b: b.at[where].add(s.astype(b.dtype), mode="drop")).reshape(x.shape)
 
 
-@lower("index_copy", static=("dim",))
+def _index_copy_meta(x, dim, index, source):
+    if index.dtype != torch.int64:  # CPU's check, which the meta kernel leaves out
+        raise RuntimeError(f"index_copy_(): Expected a long tensor for index, but got "
+                           f"{dtypes.scalar_type_name(index.dtype)}")
+    return aten.index_copy.default(x, dim, index, source)
+
+
+@lower("index_copy", static=("dim",), meta=_index_copy_meta)
 def _index_copy(x, dim, index, source):
     x1 = _as1d(x)
     where = _along(x1, _dim(x1, dim), index.reshape(-1).astype(_I64))
@@ -220,17 +249,38 @@ def _index_fill(x, dim, index, value):
     return x1.at[where].set(v, mode="drop").reshape(x.shape)
 
 
-@lower("index_fill.int_Scalar", static=("dim",))
+def _warn_expanded(op, example):
+    message = (f"Use of {op}_ on expanded tensors is deprecated. Please clone() the tensor before performing this "
+               f"operation. This also applies to advanced indexing e.g. {example}")
+
+    def warn(x, *args, inplace=True):
+        if inplace and layout.has_internal_overlap(x.shape, x.stride()):
+            warn_at_user_line(message)
+
+    return warn
+
+
+_index_fill_expanded = _warn_expanded("index_fill", "tensor[mask] = scalar")
+_index_put_expanded = _warn_expanded("index_put", "tensor[indices] = tensor")
+
+
+@lower("index_fill.int_Scalar", static=("dim",), warn=_index_fill_expanded)
 def _index_fill_s(x, dim, index, value):
     return _index_fill(x, dim, index, value)
 
 
-@lower("index_fill.int_Tensor", static=("dim",))
+@lower("index_fill.int_Tensor", static=("dim",), warn=_index_fill_expanded)
 def _index_fill_t(x, dim, index, value):
     return _index_fill(x, dim, index, value)
 
 
-@lower("masked_scatter")
+def _masked_scatter_meta(x, mask, source):
+    if mask.dtype == torch.uint8:  # the meta kernel takes it; CPU (which the kernel then runs) warns and refuses it
+        raise RuntimeError("masked_scatter_ only supports boolean masks, but got mask with dtype Byte")
+    return aten.masked_scatter.default(x, mask, source)
+
+
+@lower("masked_scatter", meta=_masked_scatter_meta)
 def _masked_scatter(x, mask, source):
     shape = jnp.broadcast_shapes(x.shape, mask.shape)
     xf = jnp.broadcast_to(x, shape).reshape(-1)
@@ -285,12 +335,52 @@ def _index_put_fn(x, indices, values, accumulate=False, unsafe=False):
     return x.at[where].set(v, mode="drop")
 
 
+def _index_meta(x, indices):
+    """PyTorch's meta for ``index``, with the checks CPU makes first (its types and messages)."""
+    _check_index_shapes(x, indices)
+    return aten.index.Tensor(x, indices)
+
+
+def _index_put_meta(x, indices, values, accumulate=False, unsafe=False):
+    """PyTorch's meta for ``index_put`` with the value checks CPU makes and the meta leaves out."""
+    result = _index_meta(x, indices)
+    if not _expandable(values.shape, result.shape):
+        raise RuntimeError(f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to "
+                           f"indexing result of shape {list(result.shape)}")
+    if values.dtype != x.dtype:
+        raise RuntimeError(
+            f"Index put requires the source and destination dtypes match, got {dtypes.scalar_type_name(x.dtype)} "
+            f"for the destination and {dtypes.scalar_type_name(values.dtype)} for the source.")
+    return aten.index_put.default(x, indices, values, accumulate)
+
+
+def _expandable(shape, target) -> bool:
+    """Can ``shape`` be expanded to ``target`` (PyTorch's is_expandable_to)?"""
+    if len(shape) > len(target):
+        return False
+    return all(s == t or s == 1 for s, t in zip(reversed(shape), reversed(target)))
+
+
+def _check_index_shapes(x, indices):
+    shapes = [list(i.shape) for i in indices if i is not None]
+    try:
+        torch.broadcast_shapes(*[tuple(s) for s in shapes])
+    except RuntimeError:
+        raise IndexError("shape mismatch: indexing tensors could not be broadcast together with shapes "
+                         + ", ".join(str(s) for s in shapes)) from None
+    for d, i in enumerate(indices):
+        if i is not None and x.shape[d] == 0 and i.numel() > 0:
+            raise IndexError("index is out of bounds for dimension with size 0")
+
+
 # private kernels: the @impl entry points below turn bool masks into long indices first
-_INDEX = Kernel(aten.index.Tensor, Lowering("aten::index.Tensor", _index_fn, allow_cpu=True))
-_INDEX_PUT_LOW = Lowering("aten::index_put", _index_put_fn, static=("accumulate",), allow_cpu=True)
+_INDEX = Kernel(aten.index.Tensor, Lowering("aten::index.Tensor", _index_fn, allow_cpu=True, meta=_index_meta))
+_INDEX_PUT_LOW = Lowering("aten::index_put", _index_put_fn, static=("accumulate",), allow_cpu=True,
+                          meta=_index_put_meta)
 _INDEX_PUT = Kernel(aten.index_put.default, _INDEX_PUT_LOW)
 _INDEX_PUT_ = Kernel(aten.index_put_.default, _INDEX_PUT_LOW, functional=aten.index_put.default)
-_INDEX_PUT_IMPL_LOW = Lowering("aten::_index_put_impl", _index_put_fn, static=("accumulate", "unsafe"), allow_cpu=True)
+_INDEX_PUT_IMPL_LOW = Lowering("aten::_index_put_impl", _index_put_fn, static=("accumulate", "unsafe"), allow_cpu=True,
+                               meta=_index_put_meta)
 _INDEX_PUT_IMPL_ = Kernel(aten._index_put_impl_.default, _INDEX_PUT_IMPL_LOW, functional=aten._index_put_impl.default)
 
 
@@ -302,11 +392,18 @@ def _host(t):
     return t.numpy() if t.device.type == "cpu" else storage.to_numpy_host(t)
 
 
+_UINT8_MASK_DEPRECATED = "indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool instead."
+
+
 def _expand_masks(x, indices):
-    """PyTorch's expandTensors: a bool/uint8 mask becomes one long index per mask dim."""
+    """PyTorch's expandTensors: a bool/uint8 mask becomes one long index per mask dim. Long index
+    tensors PyTorch can read without a device sync (on the CPU, or any while index bound checks
+    are on) are checked against the sizes they index."""
     out = []
     for idx in indices:
         if idx is not None and idx.dtype in (torch.bool, torch.uint8):
+            if idx.dtype == torch.uint8:
+                warn_at_user_line(_UINT8_MASK_DEPRECATED)
             if idx.dim() == 0:
                 raise _Route  # x[True]-style 0-d masks add a dim: rare, left to the fallback
             pos = len(out)
@@ -317,14 +414,87 @@ def _expand_masks(x, indices):
                         f"the indexed tensor {list(x.shape)} at index {pos + j}"
                     )
             for a in np.nonzero(_host(idx)):
-                out.append(from_jax_array(jnp.asarray(a, _I64)))
+                out.append(from_jax_array(a.astype(np.int64)))
         else:
             if idx is not None and idx.dtype not in (torch.int64, torch.int32):
                 raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
             out.append(idx)
     if len(out) > x.dim():
         raise IndexError(f"too many indices for tensor of dimension {x.dim()} (got {len(out)})")
+    _check_index_shapes(x, out)
+    k = 0  # CPU names the position among the indexed dims
+    for d, idx in enumerate(out):
+        if idx is None:
+            continue
+        if idx.device.type == "cpu" or index_bound_checks_enabled():
+            _check_bounds(_host(idx), x.shape[d], lambda v, n, k=k: IndexError(
+                f"index {v} is out of bounds for dimension {k} with size {n}"))
+        k += 1
     return out
+
+
+def _check_bounds(idx, n, error, negative=True):
+    """Raise ``error(value, n)`` for the first index in host array ``idx`` outside ``[-n, n)``
+    (``[0, n)`` unless ``negative``)."""
+    idx = np.asarray(idx).reshape(-1)
+    bad = (idx >= n) | (idx < (-n if negative else 0))
+    if bad.any():
+        raise error(int(idx[np.argmax(bad)]), n)
+
+
+def _dim_size(x, dim):
+    return x.shape[dim % x.dim()] if x.dim() else 1
+
+
+# per-call index checks (while index bound checks are on): PyTorch CPU's types and messages
+def _check_take(x, index, *rest):
+    _check_bounds(_host(index), x.numel(), lambda v, n: IndexError(
+        f"out of range: tried to access index {v} on a tensor of {n} elements."))
+
+
+def _check_index_select(x, dim, index):
+    _check_bounds(_host(index), _dim_size(x, dim), lambda v, n: IndexError("index out of range in self"),
+                  negative=False)
+
+
+def _check_gather_scatter(x, dim, index, *rest):
+    d = dim % max(x.dim(), 1)
+    _check_bounds(_host(index), _dim_size(x, dim), lambda v, n: RuntimeError(
+        f"index {v} is out of bounds for dimension {d} with size {n}"), negative=False)
+
+
+def _check_index_add(x, dim, index, *rest):
+    _check_bounds(_host(index), _dim_size(x, dim), lambda v, n: IndexError("index out of range in self"),
+                  negative=False)
+
+
+def _check_index_copy(x, dim, index, *rest):
+    d = dim % max(x.dim(), 1)
+    _check_bounds(_host(index), _dim_size(x, dim), lambda v, n: IndexError(
+        f"index_copy_(): index {v} is out of bounds for dimension {d} with size {n}"), negative=False)
+
+
+def _check_index_fill(x, dim, index, *rest):
+    d = dim % max(x.dim(), 1)
+    _check_bounds(_host(index), _dim_size(x, dim), lambda v, n: IndexError(
+        f"index {v} is out of bounds for dimension {d} with size {n}"))
+
+
+def _check_embedding(weight, indices, *rest):
+    _check_bounds(_host(indices), weight.shape[0], lambda v, n: IndexError("index out of range in self"),
+                  negative=False)
+
+
+for _name, _check in (
+    ("take", _check_take), ("put", _check_take), ("index_select", _check_index_select),
+    ("gather", _check_gather_scatter), ("scatter.src", _check_gather_scatter),
+    ("scatter.value", _check_gather_scatter), ("scatter.reduce", _check_gather_scatter),
+    ("scatter.value_reduce", _check_gather_scatter), ("scatter_add", _check_gather_scatter),
+    ("scatter_reduce.two", _check_gather_scatter), ("index_add", _check_index_add),
+    ("index_copy", _check_index_copy), ("index_fill.int_Scalar", _check_index_fill),
+    ("index_fill.int_Tensor", _check_index_fill), ("embedding", _check_embedding),
+):
+    LOWERINGS[normalize(_name)].check = _check
 
 
 @impl("index.Tensor")
@@ -347,6 +517,7 @@ def _index_put(self, indices, values, accumulate=False):
 
 @impl("index_put_")
 def _index_put_(self, indices, values, accumulate=False):
+    _index_put_expanded(self)
     try:
         ind = _expand_masks(self, indices)
     except _Route:
@@ -356,6 +527,7 @@ def _index_put_(self, indices, values, accumulate=False):
 
 @impl("_index_put_impl_")
 def _index_put_impl_(self, indices, values, accumulate=False, unsafe=False):
+    _index_put_expanded(self)
     try:
         ind = _expand_masks(self, indices)
     except _Route:
@@ -365,7 +537,7 @@ def _index_put_impl_(self, indices, values, accumulate=False, unsafe=False):
 
 # ---------------------------------------------------------------- data-dependent shapes (host reads)
 def _tensor(arr, dtype):
-    return from_jax_array(jnp.asarray(arr), dtype)
+    return from_jax_array(np.asarray(arr), dtype)
 
 
 @impl("nonzero")
@@ -373,16 +545,20 @@ def _nonzero(self):
     m = _host(self)
     if m.ndim == 0:
         return _tensor(np.zeros((1 if m.item() else 0, 0), np.int64), torch.int64)
-    return _tensor(np.argwhere(m).astype(np.int64).reshape(-1, m.ndim), torch.int64)
+    # CPU's result is column-major: (1, n) strides
+    coords = np.nonzero(m)
+    n = coords[0].shape[0]
+    return storage.new_tensor((n, m.ndim), torch.int64, storage.to_device(np.concatenate(coords).astype(np.int64)),
+                              stride=(1, n))
 
 
 @impl("masked_select")
 def _masked_select(self, mask):
     if mask.dtype != torch.bool:
-        raise RuntimeError(f"masked_select: expected BoolTensor for mask, got {mask.dtype}")
+        raise RuntimeError("masked_select: expected BoolTensor for mask")
     shape = torch.broadcast_shapes(self.shape, mask.shape)
     m = np.broadcast_to(_host(mask), shape).reshape(-1)
-    flat_idx = jnp.asarray(np.flatnonzero(m).astype(np.int64))
+    flat_idx = storage.to_device(np.flatnonzero(m).astype(np.int64))
     values = jnp.broadcast_to(logical_value(self), shape).reshape(-1)[flat_idx]
     return from_jax_array(values, self.dtype)
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from ..base.frames import warn_once_at_user_line
 from ..dispatch.lowering import impl, lower
 
 _LOW = (jnp.bfloat16, jnp.float16)
@@ -146,9 +147,10 @@ def _tri_solve(a, b, *, lower, left=True, transpose=False, conj=False, unit=Fals
 
 def _first_failure(bad):
     """LAPACK ``info``: 1-based index of the first True along the last axis, else 0."""
-    n = bad.shape[-1]
+    if bad.shape[-1] == 0 or bad.size == 0:  # argmax has nothing to search
+        return jnp.zeros(bad.shape[:-1], jnp.int32)
     idx = jnp.argmax(bad, axis=-1)
-    return jnp.where(jnp.any(bad, axis=-1), idx + 1, 0).astype(jnp.int32) if n else jnp.zeros(bad.shape[:-1], jnp.int32)
+    return jnp.where(jnp.any(bad, axis=-1), idx + 1, 0).astype(jnp.int32)
 
 
 def _lu(a):
@@ -203,7 +205,19 @@ def _cholesky_ex(a, upper=False, check_errors=False):
     return out, info
 
 
-@lower("cholesky")
+_CHOLESKY_DEPRECATED = (
+    "torch.cholesky is deprecated in favor of torch.linalg.cholesky and will be removed in a future PyTorch "
+    "release.\nL = torch.cholesky(A)\nshould be replaced with\nL = torch.linalg.cholesky(A)\nand\n"
+    "U = torch.cholesky(A, upper=True)\nshould be replaced with\nU = torch.linalg.cholesky(A).mH\n"
+    "This transform will produce equivalent results for all valid (symmetric positive definite) inputs.")
+_TRIANGULAR_SOLVE_DEPRECATED = (
+    "torch.triangular_solve is deprecated in favor of torch.linalg.solve_triangularand will be removed in a "
+    "future PyTorch release.\ntorch.linalg.solve_triangular has its arguments reversed and does not return a "
+    "copy of one of the inputs.\nX = torch.triangular_solve(B, A).solution\nshould be replaced with\n"
+    "X = torch.linalg.solve_triangular(A, B).")
+
+
+@lower("cholesky", warn=lambda *a, inplace=False: warn_once_at_user_line(_CHOLESKY_DEPRECATED))
 def _cholesky(a, upper=False):
     return _cholesky_ex(a, upper)[0]
 
@@ -362,7 +376,7 @@ def _qr(a, mode="reduced"):
     return q, r
 
 
-@lower("triangular_solve")
+@lower("triangular_solve", warn=lambda *a, inplace=False: warn_once_at_user_line(_TRIANGULAR_SOLVE_DEPRECATED))
 def _triangular_solve(b, a, upper=True, transpose=False, unitriangular=False):
     x = _tri_solve(a, b, lower=not upper, transpose=transpose, unit=unitriangular)
     batch = x.shape[:-2]
@@ -394,3 +408,20 @@ def _cholesky_inverse(a, upper=False):
 @lower("linalg_matrix_exp")
 def _matrix_exp(a):
     return jax.scipy.linalg.expm(a)
+
+
+# ---------------------------------------------------------------- Householder (LAPACK's geqrf form)
+@lower("geqrf")
+def _geqrf(a):
+    h, tau = jnp.linalg.qr(a, mode="raw")  # LAPACK's geqrf, its reflectors transposed
+    return _mT(h), tau
+
+
+@lower("linalg_householder_product")
+def _householder_product(a, tau):
+    return lax.linalg.householder_product(a, tau)
+
+
+@lower("ormqr", static=("left", "transpose"))
+def _ormqr(a, tau, c, left=True, transpose=False):
+    return lax.linalg.ormqr(a, tau, c, left=left, transpose=transpose)

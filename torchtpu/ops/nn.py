@@ -1111,7 +1111,17 @@ def _pad_family(kind, nd):
     mode = {"reflection": "reflect", "replication": "edge"}[kind]
 
     def fwd(x, padding):
-        return jnp.pad(x, _pad_widths(x, padding), mode=mode)
+        widths = _pad_widths(x, padding)
+        if kind == "replication":
+            # output j of each padded axis reads input clamp(j - low, 0, n - 1): negative widths
+            # (cropping) included, even past the other side's edge
+            for axis, ((lo, hi), n) in enumerate(zip(widths, x.shape)):
+                if lo or hi:
+                    x = jnp.take(x, jnp.clip(jnp.arange(n + lo + hi) - lo, 0, n - 1), axis=axis)
+            return x
+        # a negative width crops that side; the other side reflects about its own edge
+        crop = tuple(slice(max(0, -lo), n - max(0, -hi)) for (lo, hi), n in zip(widths, x.shape))
+        return jnp.pad(x[crop], [(max(0, lo), max(0, hi)) for lo, hi in widths], mode=mode)
 
     def bwd(grad, x, padding):
         out, vjp = jax.vjp(lambda v: fwd(v, padding), _fl(x))
@@ -1378,6 +1388,24 @@ def _cdist_forward(x1, x2, p, compute_mode=None):
         return jnp.sum(d != 0, -1).astype(a.dtype)
     if p == math.inf:
         return jnp.max(d, -1)
+    if p == 1:
+        return jnp.sum(d, -1)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(d * d, -1))
+    return jnp.sum(d ** p, -1) ** (1.0 / p)
+
+
+@lower("_pdist_forward", static=("p",))
+def _pdist_forward(x, p=2.0):
+    # the distances of rows i < j, in that order: cdist's direct form on the pairs
+    n = x.shape[0]
+    i, j = np.triu_indices(n, k=1)
+    a = _acc(x)
+    d = jnp.abs(a[i] - a[j])
+    if p == 0:
+        return jnp.sum(d != 0, -1).astype(a.dtype)
+    if p == math.inf:
+        return jnp.max(d, -1, initial=0)
     if p == 1:
         return jnp.sum(d, -1)
     if p == 2:

@@ -260,3 +260,16 @@ def _binomial(count, prob, generator=None, key=None):
     shape = jnp.broadcast_shapes(count.shape, prob.shape)
     return jax.random.binomial(key, count, prob, shape)
 
+
+
+# ---------------------------------------------------------------- rrelu
+@impl("rrelu_with_noise")
+def _rrelu_with_noise(self, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None):
+    """PyTorch's randomized leaky ReLU: in training each non-positive element takes a slope drawn
+    from U(lower, upper), recorded in ``noise`` (1 elsewhere) for the backward; else the mean slope."""
+    if not training:
+        return aten.leaky_relu.default(self, (lower + upper) / 2)
+    slopes = aten.where.self(self <= 0, aten.uniform.default(self, lower, upper, generator=generator),
+                             torch.ones((), dtype=self.dtype, device=self.device))
+    noise.copy_(slopes)
+    return self * slopes

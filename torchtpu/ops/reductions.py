@@ -20,6 +20,7 @@ import torch
 from jax import lax
 
 from ..base import dtypes
+from ..base.frames import warn_at_user_line
 from ..dispatch.lowering import impl, lower
 from ..runtime import storage
 from ..runtime.storage import logical_value
@@ -220,22 +221,38 @@ def _var_impl(x, dim, correction, keepdim):
     return s / jnp.asarray(denom, s.dtype), jnp.squeeze(mean, axes) if not keepdim else mean
 
 
-@lower("var.correction", static=("correction",))
+def _dof_warning(fname):
+    """PyTorch's per-call warning when ``correction`` leaves no degrees of freedom."""
+    message = (f"{fname}(): degrees of freedom is <= 0. Correction should be strictly less than the reduction "
+               "factor (input numel divided by output numel).")
+
+    def warn(x, dim=None, correction=None, keepdim=False, inplace=False):
+        dims = range(x.dim()) if not dim else [d % max(x.dim(), 1) for d in dim]
+        out_numel = math.prod(n for d, n in enumerate(x.shape) if d not in dims)
+        factor = x.numel() // out_numel if out_numel else 0
+        if factor - (1 if correction is None else correction) <= 0:
+            for _ in range(2 if x.is_complex() else 1):  # CPU reduces real and imaginary parts apart
+                warn_at_user_line(message)
+
+    return warn
+
+
+@lower("var.correction", static=("correction",), warn=_dof_warning("var"))
 def _var(x, dim=None, correction=None, keepdim=False):
     return _var_impl(x, dim, correction, keepdim)[0]
 
 
-@lower("std.correction", static=("correction",))
+@lower("std.correction", static=("correction",), warn=_dof_warning("std"))
 def _std(x, dim=None, correction=None, keepdim=False):
     return jnp.sqrt(_var_impl(x, dim, correction, keepdim)[0])
 
 
-@lower("var_mean.correction", static=("correction",))
+@lower("var_mean.correction", static=("correction",), warn=_dof_warning("var_mean"))
 def _var_mean(x, dim=None, correction=None, keepdim=False):
     return _var_impl(x, dim, correction, keepdim)
 
 
-@lower("std_mean.correction", static=("correction",))
+@lower("std_mean.correction", static=("correction",), warn=_dof_warning("std_mean"))
 def _std_mean(x, dim=None, correction=None, keepdim=False):
     v, m = _var_impl(x, dim, correction, keepdim)
     return jnp.sqrt(v), m

@@ -58,6 +58,28 @@ def has_internal_overlap(size, stride) -> bool:
     return any(n > 1 and s == 0 for n, s in zip(size, stride))
 
 
+def is_dense(size, stride) -> bool:
+    """Do the elements of (size, stride) fill a block of exactly numel elements, each once
+    (a permutation of a contiguous layout)?"""
+    return _block_plan(size, stride) is not None and not has_internal_overlap(size, stride)
+
+
+def to_physical(value, stride):
+    """Flat buffer holding ``value`` in the element order of the dense layout ``stride`` (traced)."""
+    size = tuple(value.shape)
+    _, order, dims = _block_plan(size, stride)
+    v = value.reshape([size[i] for i in dims])
+    pos = {d: k for k, d in enumerate(dims)}
+    return jnp.transpose(v, [pos[d] for d in order]).reshape((-1,))
+
+
+def cast(x, dtype):
+    """``x`` as ``dtype``; complex to real keeps the real part, as PyTorch does (JAX would warn)."""
+    if jnp.iscomplexobj(x) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        x = jnp.real(x)
+    return x.astype(dtype)
+
+
 def _block_plan(size, stride):
     """If the non-broadcast dims of a layout are a permutation of a dense block,
     return (block_shape, perm_from_block_to_layout_dims, kept_dims); else None."""
@@ -115,7 +137,7 @@ def write(buf, lay, value):
     """``buf`` with the elements addressed by ``lay`` replaced by ``value`` (traced)."""
     size, stride, offset = lay
     numel = math.prod(size)
-    value = jnp.broadcast_to(value.astype(buf.dtype), size)
+    value = jnp.broadcast_to(cast(value, buf.dtype), size)
     if numel == 0:
         return buf
     if is_contiguous(size, stride) and offset == 0 and buf.size == numel:
@@ -128,15 +150,41 @@ def _write_flat(buf, size, stride, offset, value):
     numel = math.prod(size)
     if is_contiguous(size, stride):
         return lax.dynamic_update_slice(buf, value.reshape((numel,)), (offset,))
-    plan = _block_plan(size, stride)
-    if plan is not None and not has_internal_overlap(size, stride):
-        block_shape, order, dims = plan
-        v = value.reshape([size[i] for i in dims])
-        pos = {d: k for k, d in enumerate(dims)}
-        v = jnp.transpose(v, [pos[d] for d in order]).reshape((-1,))
-        return lax.dynamic_update_slice(buf, v, (offset,))
+    if is_dense(size, stride):
+        return lax.dynamic_update_slice(buf, to_physical(value, stride), (offset,))
     idx = _index_array(size, stride, offset).reshape(-1)
-    return buf.at[idx].set(value.reshape((-1,)))
+    value = value.reshape((-1,))
+    if has_internal_overlap(size, stride):
+        # elements sharing a memory location (an expanded tensor): only those the op changed are
+        # written, as an in-place scatter on CPU writes only the elements it addresses
+        old = buf[idx]
+        changed = (value != old) & ~((value != value) & (old != old))
+        idx = jnp.where(changed, idx, buf.shape[0])
+        return buf.at[idx].set(value, mode="drop")
+    return buf.at[idx].set(value)
+
+
+# ---------------------------------------------------------------- math bits (traced)
+def math_bits(t):
+    """PyTorch's lazy conjugate / negative bits of tensor ``t`` (``x.conj()``, ``x.conj().imag``) as
+    ``(conj, neg)``, or None when neither is set: the flat buffer holds the unconjugated,
+    unnegated values and every read and write applies them."""
+    conj = t.is_conj()
+    neg = t.is_neg()
+    return (conj, neg) if conj or neg else None
+
+
+def apply_math_bits(x, bits):
+    """The logical value of stored ``x`` under ``bits`` (``math_bits``); self-inverse, so it is
+    also what a write of logical value ``x`` stores."""
+    if bits is None:
+        return x
+    conj, neg = bits
+    if conj:
+        x = jnp.conj(x)
+    if neg:
+        x = -x
+    return x
 
 
 # ---------------------------------------------------------------- byte views (traced)

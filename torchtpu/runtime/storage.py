@@ -141,12 +141,23 @@ def _bitcast_jit(src, dst, nbytes):
 _zeros_cache: dict = {}
 
 
+def to_device(host) -> jax.Array:
+    """A device array holding a copy of numpy array ``host``: a transfer, never an XLA compile
+    (``jnp.asarray`` of a numpy array compiles a program per shape, which a stream of new shapes
+    pays again and again). The copy is made on the host first: on the CPU backend the device array
+    would otherwise share ``host``'s memory, which its owner may change."""
+    return jax.device_put(np.array(host, order="C", copy=True))
+
+
+_SMALL = 1 << 20  # elements: below this a zero buffer is a host transfer, not a compiled fill
+
+
 def _zeros_flat(numel, jdtype):
     """Immutable zero buffers are shared: jax arrays never change in place."""
     key = (numel, jdtype)
     z = _zeros_cache.get(key)
     if z is None:
-        z = jnp.zeros((numel,), jdtype)
+        z = to_device(np.zeros((numel,), jdtype)) if numel <= _SMALL else jnp.zeros((numel,), jdtype)
         if numel <= (1 << 16):
             _zeros_cache[key] = z
     return z
@@ -203,6 +214,14 @@ def replace_storage(t: torch.Tensor, size, buf) -> None:
     _set_storage(_CPU_KEYSET, t, new_storage(numel * t.dtype.itemsize, buf, t.dtype), 0, size, stride)
 
 
+def grown_storage(t: torch.Tensor, nbytes: int) -> torch.UntypedStorage:
+    """A new storage of ``nbytes`` starting with the bytes of ``t``'s storage, zeros after
+    (``resize_`` growing a tensor). Storages here are not resizable in place, so other views of
+    the old storage keep the old one."""
+    numel = -(-nbytes // t.dtype.itemsize)
+    return new_storage(nbytes, _layout.fit(storage_data(t).buf.reshape(-1), numel), t.dtype)
+
+
 def _dev():
     global _DEV
     _DEV = torch.device("tpu", 0)
@@ -222,29 +241,32 @@ def covers_storage(t: torch.Tensor, buf) -> bool:
 
 # ---------------------------------------------------------------- values as jax arrays
 def logical_value(t: torch.Tensor):
-    """The jax array holding the value of tpu tensor ``t`` (a copy only if ``t`` is a strided view)."""
+    """The jax array holding the value of tpu tensor ``t`` (a copy only if ``t`` is a strided view
+    or carries a conjugate / negative bit)."""
     buf = storage_data(t).buf
-    if covers_storage(t, buf):
+    bits = _layout.math_bits(t)
+    if bits is None and covers_storage(t, buf):
         return buf if tuple(buf.shape) == tuple(t.shape) else buf.reshape(t.shape)
-    return _read_jit(layout(t))(buf)
+    return _read_jit(layout(t), bits)(buf)
 
 
 def flat_value(t: torch.Tensor):
     """``t``'s elements as a flat jax array, with no device work when ``t`` covers its whole
     storage (the storage's own buffer, whatever shape it was produced in)."""
     buf = storage_data(t).buf
-    if covers_storage(t, buf):
+    if covers_storage(t, buf) and _layout.math_bits(t) is None:
         return buf
     return logical_value(t).reshape(-1)
 
 
 @functools.lru_cache(maxsize=4096)
-def _read_jit(lay):
-    return jax.jit(lambda b: _layout.read(b, lay))
+def _read_jit(lay, bits=None):
+    return jax.jit(lambda b: _layout.apply_math_bits(_layout.read(b, lay), bits))
 
 
 def from_jax_array(arr, dtype=None) -> torch.Tensor:
-    arr = jnp.asarray(arr)
+    """A tpu tensor holding jax array ``arr`` (a numpy array is transferred)."""
+    arr = to_device(arr) if isinstance(arr, np.ndarray) else jnp.asarray(arr)
     dt = dtypes.to_torch(arr.dtype) if dtype is None else dtype
     return new_tensor(arr.shape, dt, arr)
 
@@ -254,18 +276,27 @@ _cast_cache: dict = {}
 
 
 def write_value(dst: torch.Tensor, value) -> None:
-    """Write jax ``value`` (broadcast and cast) into tpu tensor ``dst``: a buffer swap when ``dst``
-    covers its whole storage, else a strided write. Every view of the storage sees it."""
+    """Write ``value`` (a jax or numpy array; broadcast and cast) into tpu tensor ``dst``: a buffer
+    swap when ``dst`` covers its whole storage, else a strided write. Every view of the storage
+    sees it. A host value into a small storage is written on the host (no program per layout)."""
     sd = storage_data(dst)
     lay = layout(dst)
     size = lay[0]
     if tuple(value.shape) != tuple(size):
         try:
-            jnp.broadcast_shapes(value.shape, size)
+            np.broadcast_shapes(value.shape, size)
         except ValueError:
             raise RuntimeError(
                 f"The size of tensor a ({list(size)}) must match the size of tensor b ({list(value.shape)})"
             ) from None
+    bits = _layout.math_bits(dst)
+    if isinstance(value, np.ndarray):
+        if covers_storage(dst, sd.buf) or sd.buf.size <= _HOST_STRIDED_MAX:
+            sd.buf = _write_on_host(sd.buf, lay, bits, value, np.dtype(dtypes.to_jax(dst.dtype)))
+            return
+        value = to_device(value)
+    if bits is not None:  # the buffer holds what reads through the bits give back as ``value``
+        value = _unbits_jit(bits)(value)
     if covers_storage(dst, sd.buf) and tuple(value.shape) == tuple(size):
         jd = dtypes.to_jax(dst.dtype)
         sd.buf = value if value.dtype == jd else _cast(value, jd)
@@ -278,21 +309,72 @@ def write_value(dst: torch.Tensor, value) -> None:
     sd.buf = fn(sd.buf, value)
 
 
+@functools.lru_cache(maxsize=None)
+def _unbits_jit(bits):
+    return jax.jit(lambda v: _layout.apply_math_bits(v, bits))
+
+
 def _cast(value, jd):
     key = (value.dtype, jd)
     fn = _cast_cache.get(key)
     if fn is None:
-        fn = jax.jit(lambda v: v.astype(jd))
+        fn = jax.jit(lambda v: _layout.cast(v, jd))
         _cast_cache[key] = fn
     return fn(value)
 
 
 # ---------------------------------------------------------------- host transfers
+# A strided view of a storage up to this many elements (or covering a quarter of it) is read and
+# written on the host: the whole buffer crosses, but no XLA program is built per layout, which a
+# stream of new shapes (or a test over many views) would otherwise pay again and again.
+_HOST_STRIDED_MAX = 1 << 16
+
+
+def _host_view(flat, lay, writeable=False):
+    size, stride, offset = lay
+    item = flat.dtype.itemsize
+    return np.lib.stride_tricks.as_strided(flat[offset:], size, [s * item for s in stride], writeable=writeable)
+
+
+def _host_bits(x, bits):
+    if bits is not None:
+        conj, neg = bits
+        x = np.conj(x) if conj else x
+        x = np.negative(x) if neg else x
+    return x
+
+
+def _host_cast(x, dtype):
+    if np.iscomplexobj(x) and not np.issubdtype(dtype, np.complexfloating):
+        x = x.real  # PyTorch keeps the real part
+    return x.astype(dtype, copy=False)
+
+
+def _write_on_host(buf, lay, bits, value, dtype):
+    """``buf`` with ``value`` written at layout ``lay`` (through the math ``bits``), done on the host."""
+    value = _host_bits(_host_cast(np.asarray(value), dtype), bits)
+    size = lay[0]
+    if lay[2] == 0 and buf.size == math.prod(size) and _layout.is_contiguous(size, lay[1]):
+        return to_device(np.broadcast_to(value, size)).reshape(buf.shape)
+    flat = np.array(jax.device_get(buf)).reshape(-1)  # a private copy to write into
+    _host_view(flat, lay, writeable=True)[...] = value
+    return to_device(flat).reshape(buf.shape)
+
+
 def to_numpy_host(t: torch.Tensor) -> np.ndarray:
     """Host copy of a tpu tensor's logical value (blocks). The one host-read path."""
     if RECORDER.pending:
         RECORDER.flush("host_read")
     try:
+        sd = storage_data(t)
+        buf = sd.buf
+        bits = _layout.math_bits(t)
+        lay = layout(t)
+        if bits is None and covers_storage(t, buf):
+            return np.asarray(jax.device_get(buf)).reshape(lay[0])
+        if buf.size <= _HOST_STRIDED_MAX or 4 * math.prod(lay[0]) >= buf.size:
+            flat = np.asarray(jax.device_get(buf)).reshape(-1)
+            return _host_bits(np.array(_host_view(flat, lay)), bits)
         return np.asarray(jax.device_get(logical_value(t)))
     except Exception as e:  # a fused graph still in flight failed: name the lines that recorded it
         RECORDER.explain(e)
