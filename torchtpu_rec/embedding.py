@@ -271,7 +271,8 @@ class KernelTables:
         self.fused = fused
         self.donate = donate
         self.lrs = [st.optimizer.lr for st in kernel.stacks]
-        self.steps = [0] * len(kernel.stacks)
+        # per stack, on the host: optimizer state dicts hold views of it (loading one sets the count)
+        self.steps = torch.zeros(len(kernel.stacks), dtype=torch.int64)
         self._owned: list = []
         self.mark_owned()
 
@@ -329,11 +330,10 @@ class KernelTables:
         st_t = self.states()
         states = tuple(tuple(torchtpu.to_jax(s) for s in ss) for ss in st_t)
         gj = tuple(torchtpu.to_jax(g) for g in grads)
-        for i in range(len(self.steps)):
-            self.steps[i] += 1
+        self.steps += 1
         # numpy arrays go to the executable directly (jnp.asarray would dispatch ops)
         lrs = np.asarray(self.lrs, np.float32)
-        steps = np.asarray(self.steps, np.int32)
+        steps = self.steps.numpy().astype(np.int32)
         donate = self.donate and len(bufs) == len(self._owned) and all(a is b for a, b in zip(bufs, self._owned))
         fn = self.kernel.update if donate else self.kernel.update_copy
         with metrics.bucket_scope((("rec_batch", batch.key),)):
@@ -565,7 +565,7 @@ class _SparseCoreCollection(nn.Module):
             for bname, s in zip(self._state_names[i], self._states(i)):
                 arr = np.asarray(jax.device_get(torchtpu.to_jax(s)))
                 d[bname.split("__", 1)[1]] = torch.from_numpy(arr[rows].copy())
-            d["step"] = torch.tensor(self._kernel.steps[i])
+            d["step"] = self._kernel.steps[i].clone()
             out[t.name] = d
         return out
 
