@@ -13,12 +13,13 @@ from .embedding import (
 )
 from .kernel import TPU_COMPUTE_KERNELS, TPUBatchedEmbedding, TPUBatchedEmbeddingBag
 from . import dmp as _dmp
-from .dmp import tpu_data_parallel_wrapper
+from .dmp import compile_dense, tpu_data_parallel_wrapper
 from .planner import tpu_sharders
 
 _dmp.install()  # DistributedModelParallel(model, device=torch.device("tpu")) gets the tpu defaults
 
 __all__ = [
+    "compile_dense",
     "tpu_data_parallel_wrapper",
     "tpu_placements",
     "TPU_COMPUTE_KERNELS",

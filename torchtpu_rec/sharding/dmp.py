@@ -86,6 +86,33 @@ def tpu_arguments(module: torch.nn.Module, env: Optional[ShardingEnv], plan, sha
     return env, plan, sharders, data_parallel_wrapper
 
 
+def compile_dense(model: torch.nn.Module, **compile_kwargs) -> List[str]:
+    """Compile the dense part of a DMP model on tpu in place: every largest submodule that holds no sharded
+    module (DLRM's dense, interaction and over arches, a loss) runs as ``torch.compile(backend="tpu")``
+    graphs (forward and backward one XLA executable each) instead of one executable per op; the sharded
+    modules and the code around them stay eager. Returns the compiled submodules' names.
+    ``compile_kwargs`` go to ``nn.Module.compile`` (``backend`` defaults to "tpu")."""
+    from torchrec.distributed.types import ShardedModule
+
+    compile_kwargs.setdefault("backend", "tpu")
+    sharded = [m for m in model.modules() if isinstance(m, ShardedModule)]
+    compiled: List[str] = []
+
+    def visit(module: torch.nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, ShardedModule):
+                continue
+            if any(s is m for s in sharded for m in child.modules()):
+                visit(child, path)
+            else:
+                child.compile(**compile_kwargs)
+                compiled.append(path)
+
+    visit(model, "")
+    return compiled
+
+
 def install() -> None:
     """Wrap ``DistributedModelParallel.__init__`` so that a tpu ``device`` gets the tpu defaults (once)."""
     init = DistributedModelParallel.__init__
