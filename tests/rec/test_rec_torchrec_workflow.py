@@ -314,6 +314,25 @@ def _worker(rank, port, tmpdir):
 
     check("rec_metrics_ne_auc_calibration_on_tpu", rec_metrics)
 
+    def compiled_dense():
+        from torchtpu_rec.checkpoint import load_unsharded_state_dict
+        from torchtpu_rec.sharding import compile_dense
+
+        eager = DistributedModelParallel(_dlrm(), device=tpu, sharders=[adam])
+        comp = DistributedModelParallel(_dlrm(), device=tpu, sharders=[adam])
+        load_unsharded_state_dict(comp, _full_tables(eager))
+        names = compile_dense(comp)
+        assert names == [f"_dmp_wrapped_module.module.model.{m}" for m in ("dense_arch", "inter_arch", "over_arch")] + \
+            ["_dmp_wrapped_module.module.loss_fn"], names
+        opts = (_dense_opt(eager), _dense_opt(comp))
+        for b in batches[:2]:
+            _close("compiled dense part: logits", _step(comp, opts[1], b), _step(eager, opts[0], b))
+        te, tc = _full_tables(eager), _full_tables(comp)
+        for k in te:
+            _close(f"compiled dense part: {k}", tc[k], te[k])
+
+    check("compile_dense_matches_eager", compiled_dense)
+
     def bad_kjts():
         from torchrec import KeyedJaggedTensor
 
@@ -343,6 +362,7 @@ CHECKS = [
     "dcp_load_into_another_world_size",
     "train_pipeline_sparse_dist_equals_base",
     "rec_metrics_ne_auc_calibration_on_tpu",
+    "compile_dense_matches_eager",
     "missing_feature_and_vbe_are_clear_errors",
 ]
 
