@@ -1,23 +1,32 @@
-"""TorchRec's DLRM trained on tpu with DistributedModelParallel across 2 processes.
+"""TorchRec's DLRM / DLRM-DCNv2 trained on tpu from Criteo-format files, across 2 processes.
 
-Synthetic click data with a planted signal: every id of every sparse feature has a hidden score, and
-the dense features a hidden weight vector; a click happens with probability
-sigmoid(sum of the mean id score per feature + dense . w). DLRM has to learn the id scores into its
-embedding tables (sharded onto tpu by TorchRec's planner, taught tpu by torchtpu_rec) and the dense
-part (trained data-parallel, DDP on the tpu backend). The held-out AUC rises well above 0.5.
+What a TorchRec user runs on GPUs, with the device changed to ``tpu``: the model's ``EmbeddingBagCollection``
+built on the meta device, ``DistributedModelParallel(model, device=torch.device("tpu"), sharders=[TorchRec's
+EmbeddingBagCollectionSharder(fused_params=...)])`` (the planner, topology and data-parallel wrapper are
+chosen for tpu by ``import torchtpu_rec``), TorchRec's ``TrainPipelineSparseDist`` (batch i+1's input
+distribution overlaps batch i's compute), a ``CombinedOptimizer`` of the fused table optimizer and the dense
+one, and ``torchrec.metrics`` (NE, AUC, calibration) for reporting.
 
-    python examples/dlrm.py --out runs/dlrm            # spawns 2 processes itself
-    torchrun --nproc-per-node 2 examples/dlrm.py       # or under a launcher (RANK/WORLD_SIZE set)
-    python -m ray_integration head start             # then, through the local head (docs/ray.md):
-    python -m ray_integration job submit --working-dir . -- python examples/dlrm.py --out /tmp/dlrm
+The data: ``day_0`` (train) and ``day_1`` (held out) of Criteo-format files with a planted signal, written
+by ``torchtpu_rec.criteo.write_criteo_days`` unless ``--data-dir`` already holds them, in the layout given by
+``--layout``: ``tsv`` (the click-log text, read by TorchRec's ``CriteoIterDataPipe``), ``npy`` (TorchRec's
+preprocessed layout, ``InMemoryBinaryCriteoIterDataPipe``) or ``multi_hot`` (MLPerf DLRM-DCNv2's multi-hot
+layout). 26 categorical features, one table each, 13 dense features.
+
+    python examples/dlrm.py --out runs/dlrm                       # spawns its 2 processes itself
+    python examples/dlrm.py --model dlrm --layout tsv --out runs/dlrm_tsv
+    torchrun --nproc-per-node 2 examples/dlrm.py                  # or under a launcher (RANK/WORLD_SIZE set)
+    python -m ray_integration head start                          # then, through the local head (docs/ray.md):
     ray job submit --address http://127.0.0.1:<dashboard port> --working-dir . -- python examples/dlrm.py
 
-Writes ``metrics.json`` and ``dlrm.png`` (loss and AUC curves) to ``--out``.
+Writes ``metrics.json`` and ``dlrm.png`` (loss and held-out AUC curves) to ``--out``; exits non-zero if the
+final held-out AUC is not above ``--min-auc``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -29,20 +38,21 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-N_SPARSE = 4
-
 
 def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/dlrm", help="where metrics.json and dlrm.png go")
+    p.add_argument("--model", default="dcn", choices=["dcn", "dlrm"], help="DLRM_DCN (DCNv2) or DLRM")
+    p.add_argument("--layout", default="npy", choices=["tsv", "npy", "multi_hot"], help="Criteo file layout")
+    p.add_argument("--data-dir", default=None, help="Criteo-format files (default: <out>/criteo, written if absent)")
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--batch-size", type=int, default=256, help="per process")
-    p.add_argument("--rows", type=int, default=1000, help="rows per embedding table")
+    p.add_argument("--rows", type=int, default=1000, help="rows per embedding table (ids are hashed into them)")
     p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--dense", type=int, default=8, help="dense features")
     p.add_argument("--lr", type=float, default=0.05, help="fused Adagrad lr of the tables")
     p.add_argument("--dense-lr", type=float, default=3e-3, help="Adam lr of the dense part")
     p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per process per evaluation")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-auc", type=float, default=0.55,
@@ -50,54 +60,30 @@ def _args(argv=None):
     return p.parse_args(argv)
 
 
-class ClickData:
-    """Synthetic clicks with a planted signal (same hidden truth on every rank, different samples)."""
+def _metric_module(batch_size, world, rank):
+    """TorchRec's RecMetricModule with NE, AUC and calibration of the one task (click)."""
+    from torchrec.metrics.metric_module import RecMetricModule, generate_metric_module
+    from torchrec.metrics.metrics_config import MetricsConfig, RecMetricDef, RecMetricEnum, RecTaskInfo
 
-    def __init__(self, args, rank):
-        truth = np.random.default_rng(args.seed)
-        self.id_score = truth.normal(0, 1.0, size=(N_SPARSE, args.rows)).astype(np.float32)
-        self.w = truth.normal(0, 0.5, size=args.dense).astype(np.float32)
-        self.rng = np.random.default_rng(args.seed + 1000 + rank)
-        self.args = args
-
-    def batch(self, B):
-        from torchrec import KeyedJaggedTensor
-
-        a, rng = self.args, self.rng
-        lengths = rng.integers(1, 4, size=(N_SPARSE, B))
-        ids = [rng.zipf(1.3, size=int(lengths[f].sum())) % a.rows for f in range(N_SPARSE)]
-        logit = np.zeros(B, np.float32)
-        for f in range(N_SPARSE):
-            seg = np.repeat(np.arange(B), lengths[f])
-            logit += np.bincount(seg, weights=self.id_score[f, ids[f]], minlength=B) / lengths[f]
-        dense = rng.normal(0, 1, size=(B, a.dense)).astype(np.float32)
-        logit = logit + dense @ self.w - 0.5
-        label = (rng.random(B) < 1 / (1 + np.exp(-logit))).astype(np.float32)
-        kjt = KeyedJaggedTensor(keys=[f"f{f}" for f in range(N_SPARSE)],
-                                values=torch.from_numpy(np.concatenate(ids).astype(np.int64)),
-                                lengths=torch.from_numpy(lengths.reshape(-1).astype(np.int64)))
-        return torch.from_numpy(dense), kjt, torch.from_numpy(label)
+    task = RecTaskInfo(name="click", label_name="label", prediction_name="prediction", weight_name="weight")
+    config = MetricsConfig(rec_tasks=[task], throughput_metric=None, state_metrics=[],
+                           rec_metrics={m: RecMetricDef(rec_task_indices=[0], window_size=1 << 20)
+                                        for m in (RecMetricEnum.NE, RecMetricEnum.AUC, RecMetricEnum.CALIBRATION)})
+    return generate_metric_module(RecMetricModule, config, batch_size=batch_size, world_size=world, my_rank=rank,
+                                  state_metrics_mapping={}, device=torch.device("tpu"))
 
 
-def auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """ROC AUC (Mann-Whitney U with average ranks for ties)."""
-    order = np.argsort(scores, kind="mergesort")
-    s = scores[order]
-    ranks = np.empty(len(s), np.float64)
-    i = 0
-    while i < len(s):
-        j = i
-        while j + 1 < len(s) and s[j + 1] == s[i]:
-            j += 1
-        ranks[i: j + 1] = (i + j) / 2 + 1
-        i = j + 1
-    r = np.empty_like(ranks)
-    r[order] = ranks
-    pos = labels == 1
-    n_pos, n_neg = pos.sum(), (~pos).sum()
-    if n_pos == 0 or n_neg == 0:
-        return 0.5
-    return float((r[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+def _model_outputs(logits, labels):
+    labels = labels.float()
+    return {"prediction": torch.sigmoid(logits.detach()), "label": labels, "weight": torch.ones_like(labels)}
+
+
+def _summary(metrics) -> dict:
+    """``{"ne", "auc", "calibration"}`` of a computed RecMetricModule (window values over all ranks; as on
+    GPU, only rank 0 receives them: NaN elsewhere)."""
+    pick = {"ne": "ne-click|window_ne", "auc": "auc-click|window_auc", "calibration": "calibration-click|window_calibration"}
+    metrics = metrics.resolve()
+    return {k: float(metrics[v]) if v in metrics else float("nan") for k, v in pick.items()}
 
 
 def train(rank: int, world: int, args) -> dict:
@@ -110,89 +96,108 @@ def train(rank: int, world: int, args) -> dict:
     import torch.distributed as dist
 
     import torchtpu  # noqa: F401  (the tpu device and the "tpu" process-group backend)
+    import torchtpu_rec  # noqa: F401  (teaches TorchRec's DistributedModelParallel the tpu device)
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.models.dlrm import DLRM
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from torchtpu_rec.sharding import TPUEmbeddingBagCollectionSharder, tpu_data_parallel_wrapper
-    from torchtpu_rec.sharding.planner import plan_for_tpu
+    from torchtpu_rec.criteo import criteo_dataset, day_paths, write_criteo_days
 
     if not dist.is_initialized():
         dist.init_process_group("tpu", rank=rank, world_size=world)
+    B, tpu = args.batch_size, torch.device("tpu")
+    data_dir = args.data_dir or os.path.join(args.out, "criteo")
+    if rank == 0 and not all(os.path.exists(p) for ps in day_paths(data_dir, [0, 1], args.layout).values() for p in ps):
+        write_criteo_days(data_dir, days=2, rows_per_day=max(args.steps, args.eval_batches) * B * world,
+                          num_embeddings=args.rows, layouts=[args.layout], seed=args.seed)
+    dist.barrier()
+    train_data = criteo_dataset(data_dir, [0], args.layout, B, rank, world, num_embeddings=args.rows)
+    eval_batches = list(itertools.islice(iter(criteo_dataset(data_dir, [1], args.layout, B, rank, world,
+                                                             num_embeddings=args.rows)), args.eval_batches))
+
     torch.manual_seed(args.seed)
-    tables = [EmbeddingBagConfig(name=f"t{f}", embedding_dim=args.dim, num_embeddings=args.rows,
-                                 feature_names=[f"f{f}"]) for f in range(N_SPARSE)]
-    model = DLRM(
-        embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
-        dense_in_features=args.dense,
-        dense_arch_layer_sizes=[32, args.dim],
-        over_arch_layer_sizes=[32, 1],
-        dense_device=torch.device("meta"),
-    )
-    sharder = TPUEmbeddingBagCollectionSharder(
-        fused_params={"optimizer": "adagrad", "learning_rate": args.lr, "eps": 1e-8})
-    # the planner (taught tpu) decides; the tables are too small to need more than table-wise
-    plan = plan_for_tpu(model, [sharder], world_size=world, batch_size=args.batch_size)
-    dmp = DistributedModelParallel(model, device=torch.device("tpu"), sharders=[sharder], plan=plan,
-                                   data_parallel_wrapper=tpu_data_parallel_wrapper())
-    dense_params = [p for p in dmp.parameters() if p.requires_grad and not hasattr(p, "_in_backward_optimizers")]
-    # fused: the whole dense Adam step is one tpu executable (per-parameter eager ops cost ~10x more here)
-    opt = torch.optim.Adam(dense_params, lr=args.dense_lr, fused=True)
-    loss_fn = torch.nn.BCEWithLogitsLoss()
-    data = ClickData(args, rank)
-    eval_batches = [data.batch(args.batch_size) for _ in range(4)]
+    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=args.dim, num_embeddings=args.rows, feature_names=[f])
+              for f in DEFAULT_CAT_NAMES]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    arch = dict(dense_in_features=INT_FEATURE_COUNT, dense_arch_layer_sizes=[64, args.dim],
+                over_arch_layer_sizes=[64, 1], dense_device=torch.device("meta"))
+    model = DLRM_DCN(ebc, dcn_num_layers=3, dcn_low_rank_dim=16, **arch) if args.model == "dcn" else DLRM(ebc, **arch)
+    # TorchRec's own sharder, as on GPU: on tpu it becomes torchtpu_rec's, with the same fused optimizer
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ADAGRAD,
+                                                          "learning_rate": args.lr, "eps": 1e-8})
+    dmp = DistributedModelParallel(DLRMTrain(model), device=tpu, sharders=[sharder])
+    # fused: the whole dense Adam step is one tpu executable
+    dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                      lambda params: torch.optim.Adam(params, lr=args.dense_lr, fused=True))
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_opt])
+    pipeline = TrainPipelineSparseDist(dmp, optimizer, tpu)
+    train_metrics = _metric_module(B, world, rank)
 
-    def evaluate():
-        scores, labels = [], []
+    def evaluate() -> dict:
+        model_ = pipeline.detach()  # the plain model (the pipeline keeps its batch in flight)
+        model_.eval()
+        held_out = _metric_module(B, world, rank)
         with torch.no_grad():
-            for dense, kjt, label in eval_batches:
-                scores.append(dmp(dense.to("tpu"), kjt).squeeze(-1).cpu().numpy())
-                labels.append(label.numpy())
-        both = [None] * world
-        dist.all_gather_object(both, (np.concatenate(scores), np.concatenate(labels)))
-        return auc(np.concatenate([b[0] for b in both]), np.concatenate([b[1] for b in both]))
+            for batch in eval_batches:
+                _, (_, logits, labels) = model_(batch.to(tpu))
+                held_out.update(_model_outputs(logits, labels))
+        model_.train()
+        pipeline.attach(model_)
+        return _summary(held_out.compute())
 
-    history = {"step": [], "loss": [], "eval_step": [], "auc": []}
+    history = {"step": [], "loss": [], "eval_step": [], "auc": [], "ne": [], "calibration": [], "train": []}
+
+    def record_eval(step):
+        res = evaluate()
+        history["eval_step"].append(step)
+        for k in ("auc", "ne", "calibration"):
+            history[k].append(res[k])
+
     bar = None
     if rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, desc="dlrm on tpu (DMP)", unit="step")
+        bar = tqdm(total=args.steps, desc=f"{args.model} on tpu (DMP, {args.layout})", unit="step")
+    setup_s = time.time() - t_start  # imports, data, process group, planner, DMP
+    record_eval(0)
     t0 = time.time()
-    setup_s = t0 - t_start  # imports, process group, planner, DMP
-    history["eval_step"].append(0)
-    history["auc"].append(evaluate())
+    batches = itertools.chain.from_iterable(itertools.repeat(train_data))  # epochs until --steps
     for step in range(1, args.steps + 1):
-        dense, kjt, label = data.batch(args.batch_size)
-        logits = dmp(dense.to("tpu"), kjt).squeeze(-1)
-        loss = loss_fn(logits, label.to("tpu"))
-        opt.zero_grad()
-        loss.backward()  # the tables' Adagrad runs here, in the backward
-        opt.step()
+        loss, logits, labels = pipeline.progress(batches)  # the tables' Adagrad runs in the backward
+        train_metrics.update(_model_outputs(logits, labels))
         lv = float(loss.item())
         history["step"].append(step)
         history["loss"].append(lv)
         if step % args.eval_every == 0 or step == args.steps:
-            history["eval_step"].append(step)
-            history["auc"].append(evaluate())
+            history["train"].append(_summary(train_metrics.compute()))
+            record_eval(step)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{lv:.3f}", auc=f"{history['auc'][-1]:.3f}")
     if bar is not None:
         bar.close()
     wall = time.time() - t0
-    sharding = {name: ps.sharding_type for mod in plan.plan.values() for name, ps in mod.items()}
+    plan = dmp.plan.plan
+    sharding = {name: ps.sharding_type for mod in plan.values() for name, ps in mod.items()}
     # what each process of the DMP held and ran (the evidence that the tables really were sharded over 2)
-    mine = {"rank": rank, "pid": os.getpid(), "device": str(next(iter(dense_params)).device),
+    mine = {"rank": rank, "pid": os.getpid(), "device": str(next(iter(dense_opt.params.values())).device),
             "backend": dist.get_backend(), "steps": len(history["step"]),
-            "tables": sorted(name for mod in plan.plan.values() for name, ps in mod.items()
-                             if any(sh.placement.rank() == rank for sh in ps.sharding_spec.shards))}
+            "tables": sorted(name for mod in plan.values() for name, ps in mod.items()
+                             if any(sh.placement.rank() == rank for sh in ps.sharding_spec.shards)
+                             and ps.sharding_type != "data_parallel")}
     ranks = [None] * world
     dist.all_gather_object(ranks, mine)
-    result = {"final_auc": history["auc"][-1], "initial_auc": history["auc"][0],
-              "final_loss": float(np.mean(history["loss"][-10:])), "steps": args.steps,
-              "batch_size_per_process": args.batch_size, "world_size": world, "setup_s": setup_s, "wall_s": wall,
-              "steps_per_s": args.steps / wall, "sharding": sharding, "ranks": ranks,
+    result = {"model": args.model, "layout": args.layout, "final_auc": history["auc"][-1],
+              "initial_auc": history["auc"][0], "final_ne": history["ne"][-1],
+              "final_calibration": history["calibration"][-1], "final_loss": float(np.mean(history["loss"][-10:])),
+              "steps": args.steps, "batch_size_per_process": B, "world_size": world, "setup_s": setup_s,
+              "wall_s": wall, "steps_per_s": args.steps / wall, "sharding": sharding, "ranks": ranks,
               "history": history}
     if rank == 0:
         _write(args.out, result)
@@ -219,13 +224,15 @@ def _write(out, result):
     a2.plot(h["eval_step"], h["auc"], marker="o")
     a2.axhline(0.5, color="grey", ls="--", lw=0.8)
     a2.set_xlabel("step")
-    a2.set_ylabel("held-out AUC")
+    a2.set_ylabel("held-out AUC (torchrec.metrics)")
     a2.set_title(f"AUC (final {result['final_auc']:.3f})")
-    fig.suptitle("TorchRec DLRM on tpu, DMP over 2 processes")
+    fig.suptitle(f"TorchRec {'DLRM-DCNv2' if result['model'] == 'dcn' else 'DLRM'} on tpu, DMP over "
+                 f"{result['world_size']} processes, Criteo {result['layout']}")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "dlrm.png"), dpi=100)
-    print(f"final AUC {result['final_auc']:.3f} (from {result['initial_auc']:.3f}); "
-          f"{result['steps_per_s']:.2f} steps/s; wrote {out}/metrics.json and {out}/dlrm.png", flush=True)
+    print(f"final AUC {result['final_auc']:.3f} (from {result['initial_auc']:.3f}), NE {result['final_ne']:.3f}, "
+          f"calibration {result['final_calibration']:.3f}; {result['steps_per_s']:.2f} steps/s; "
+          f"wrote {out}/metrics.json and {out}/dlrm.png", flush=True)
 
 
 def _spawned(rank, world, port, args):

@@ -105,9 +105,10 @@ def expect_owner_index_error(run, rank: int, owner: int, feature: str) -> None:
         raise AssertionError(f"an out-of-range id of {feature} did not raise on rank {owner}, which owns its table")
 
 
-def tpu_dmp(module, per_param, sharder, world: int):
+def tpu_dmp(module, per_param, sharder, world: int, path: str = "", env=None):
     """``module`` (built on the meta device) sharded on tpu by DMP with the per-parameter plan
-    ``per_param`` (``construct_module_sharding_plan``'s form) over ``world`` ranks of one host."""
+    ``per_param`` (``construct_module_sharding_plan``'s form) of its embedding module at ``path`` ("" for
+    the module itself) over ``world`` ranks of one host (``env``: a ShardingEnv of a subgroup)."""
     import torch
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan
@@ -115,10 +116,11 @@ def tpu_dmp(module, per_param, sharder, world: int):
 
     from torchtpu_rec.sharding import tpu_data_parallel_wrapper
 
-    plan = construct_module_sharding_plan(module, per_param, local_size=world, world_size=world,
+    target = module.get_submodule(path) if path else module
+    plan = construct_module_sharding_plan(target, per_param, local_size=world, world_size=world,
                                           device_type="tpu", sharder=sharder)
-    return DistributedModelParallel(module, device=torch.device("tpu"), sharders=[sharder],
-                                    plan=ShardingPlan({"": plan}), data_parallel_wrapper=tpu_data_parallel_wrapper())
+    return DistributedModelParallel(module, env=env, device=torch.device("tpu"), sharders=[sharder],
+                                    plan=ShardingPlan({path: plan}), data_parallel_wrapper=tpu_data_parallel_wrapper())
 
 
 HF_CAUSAL_LM_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3")

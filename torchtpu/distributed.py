@@ -849,6 +849,26 @@ def _bytes_rows(h: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- registration
+def _install_sharded_tensor_device() -> None:
+    """``ShardedTensor.device`` on a rank that holds none of its shards: torch answers cpu for a gloo group
+    and ``torch.cuda.current_device()`` for any other backend (an error without CUDA); on a tpu group the
+    answer is the tpu. torch.distributed.checkpoint asks it of every ShardedTensor it loads (e.g. a
+    table-wise sharded table on the ranks that do not hold it). Other groups keep torch's answers."""
+    from torch.distributed._shard.sharded_tensor import custom_sharded_op_impl
+
+    @custom_sharded_op_impl(torch.Tensor.device.__get__)
+    def sharded_tensor_device(types, args=(), kwargs=None, pg=None):
+        st = args[0]
+        if st.local_shards():
+            return st.local_shards()[0].tensor.device
+        backend = pg._get_backend_name() if pg is not None else None
+        if backend == BACKEND_NAME or isinstance(pg, ProcessGroupTPU):
+            return torch.device("tpu", 0)
+        if backend == "gloo":
+            return torch.device("cpu")
+        return torch.device(torch.cuda.current_device())
+
+
 def _create(store, rank, size, timeout):
     return ProcessGroupTPU(store, rank, size, timeout)
 
@@ -867,6 +887,7 @@ def register() -> None:
         return
     if BACKEND_NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=False, devices=["tpu", "cpu"])
+    _install_sharded_tensor_device()
     _registered = True
 
 

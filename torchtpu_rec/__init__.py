@@ -32,6 +32,8 @@ from .tables import (
     stack_tables,
 )
 
+from . import sharding  # noqa: E402  (teaches TorchRec's DistributedModelParallel the tpu device)
+
 __all__ = [
     "OPTIMIZERS",
     "SPARSECORES_PER_CHIP",

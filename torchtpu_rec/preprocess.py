@@ -183,6 +183,9 @@ class PreprocessedBatch:
     sequence_layout: dict
     key: tuple  # hashable shape key: (batch, per stack (cap, ucap, S))
     device_inputs: Optional[tuple] = None  # kernel_inputs on the device, once uploaded (lookup and update share them)
+    # (table buffers, rows of the unique slots) as the training lookup read them: the fused update of this
+    # batch takes the rows from here while the buffers are still the tables' (no second read)
+    looked_up: Optional[tuple] = None
 
 
 def kjt_arrays(kjt) -> tuple:

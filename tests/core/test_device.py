@@ -136,6 +136,34 @@ def test_torch_tpu_basics():
     assert torch.tpu.get_device_name()
 
 
+def test_torch_tpu_streams(tmp_path):
+    """One in-order queue: current/default stream, stream contexts, events; what torch.distributed.checkpoint's
+    writer and TorchRec's train pipelines ask of an accelerator's device module."""
+    s = torch.tpu.current_stream()
+    assert s == torch.tpu.default_stream() == torch.tpu.Stream() and s.device == torch.device("tpu", 0)
+    x = torch.arange(6.0, device="tpu")
+    with torch.tpu.stream(s):
+        y = x * 2
+    ev = torch.tpu.Event()
+    ev.record(s)
+    s.wait_event(ev)
+    ev.synchronize()
+    s.synchronize()
+    assert ev.query() and s.query()
+    _same(y, torch.arange(6.0) * 2)
+    with pytest.raises(TypeError, match="torch.tpu.Stream"):
+        torch.tpu.stream(object())
+    with pytest.raises(RuntimeError, match=INDEX_ERR):
+        torch.tpu.current_stream(1)
+    # torch.distributed.checkpoint writes tpu tensors through the device's stream (no process group)
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": y}, checkpoint_id=str(tmp_path), no_dist=True)
+    back = {"w": torch.zeros(6, device="tpu")}
+    dcp.load(back, checkpoint_id=str(tmp_path), no_dist=True)
+    _same(back["w"], torch.arange(6.0) * 2)
+
+
 def test_torch_tpu_manual_seed():
     torch.tpu.manual_seed(123)
     a = torch.rand(16, device="tpu").cpu()

@@ -543,6 +543,21 @@ def _mesh_check(c, rank, world):
     c("dtensor", dtensor)
 
 
+def _sharded_tensor_check(c, rank, world):
+    import torch
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
+
+    def empty_on_a_rank():
+        # rows on rank 0 only: rank 1 holds no shard, and its ShardedTensor still reports the tpu
+        md = ShardMetadata([0, 0], [4, 2], "rank:0/tpu:0")
+        glob = ShardedTensorMetadata([md], torch.Size([4, 2]), TensorProperties(dtype=torch.float32))
+        local = [Shard(torch.ones(4, 2, device="tpu"), md)] if rank == 0 else []
+        st = ShardedTensor._init_from_local_shards_and_global_metadata(local, glob)
+        _eq(st.device, torch.device("tpu", 0))
+    c("sharded_tensor_device_without_local_shards", empty_on_a_rank)
+
+
 def _main_job(rank, world, port, out_dir):
     """The 2-process job (started with torch.multiprocessing spawn)."""
     import torch
@@ -566,6 +581,7 @@ def _main_job(rank, world, port, out_dir):
         c("new_group", subgroup)
         _ddp_check(c, rank, world)
         _mesh_check(c, rank, world)
+        _sharded_tensor_check(c, rank, world)
         _failure_checks(c, rank, world)
     finally:
         c.dump(os.path.join(out_dir, f"main_{rank}.json"))
@@ -703,7 +719,7 @@ MAIN_CHECKS = [
     "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter_list", "all_to_all_single_even",
     "all_to_all_single_uneven", "all_to_all_list", "gather_scatter_reduce", "barrier", "send_recv", "async_work",
     "cpu_tensors_through_tpu_group", "functional_collectives", "defer_and_fuse_flush", "new_group", "ddp_parity",
-    "device_mesh", "dtensor", "mismatch_shape", "mismatch_collective", "mismatch_dtype",
+    "device_mesh", "dtensor", "sharded_tensor_device_without_local_shards", "mismatch_shape", "mismatch_collective", "mismatch_dtype",
     "mismatch_all_to_all_splits", "mismatch_recv_size", "agreed_arguments_skip_exchange",
     "rank_never_joins_times_out",
 ]

@@ -1,9 +1,10 @@
 """examples/dlrm.py submitted as a Ray job (plain Ray's job SDK) to a real local Ray head.
 
 The session head of tests/conftest.py (`ray_head`, with the job dashboard) runs the example as the
-job's entrypoint with a short config; the job spawns its own 2 DMP processes on the tpu backend. The
-test waits for SUCCEEDED and reads what the job wrote: metrics.json (AUC, both ranks of the DMP, their
-shard of the tables) and the PNG plot.
+job's entrypoint with a short config; the job spawns its own 2 DMP processes on the tpu backend, which
+train TorchRec's DLRM-DCNv2 from Criteo-format npy files the example writes. The test waits for SUCCEEDED
+and reads what the job wrote: metrics.json (torchrec.metrics' AUC, NE and calibration, both ranks of the
+DMP, their shards of the tables) and the PNG plot.
 """
 
 from __future__ import annotations
@@ -48,15 +49,19 @@ def test_dlrm_example_via_ray_job_submit(ray_head, tmp_path):
     assert "final AUC" in logs, logs[-3000:]
 
     m = json.loads((out / "metrics.json").read_text())
-    # the held-out AUC was measured before and after training, and rose (planted signal)
+    assert m["model"] == "dcn" and m["layout"] == "npy"
+    # the held-out AUC (torchrec.metrics) was measured before and after training, and rose (planted signal)
     assert len(m["history"]["auc"]) == 3 and m["history"]["eval_step"] == [0, 4, 8]
     assert 0.4 < m["initial_auc"] < 0.6 and m["final_auc"] > 0.55, (m["initial_auc"], m["final_auc"])
+    assert 0 < m["final_ne"] < 1.2 and 0 < m["final_calibration"] < 3, (m["final_ne"], m["final_calibration"])
     assert m["steps"] == 8 and len(m["history"]["loss"]) == 8
-    # the 2-process DMP ran: both ranks on the tpu backend, each holding its table-wise shard
+    # the 2-process DMP ran: both ranks on the tpu backend, each holding shards of the 26 Criteo tables
     assert m["world_size"] == 2 and [r["rank"] for r in m["ranks"]] == [0, 1]
     assert len({r["pid"] for r in m["ranks"]}) == 2
     assert all(r["backend"] == "tpu" and r["device"].startswith("tpu") and r["steps"] == 8 for r in m["ranks"])
-    assert sorted(t for r in m["ranks"] for t in r["tables"]) == ["t0", "t1", "t2", "t3"]
+    assert sorted(m["sharding"]) == sorted(f"t_cat_{i}" for i in range(26))
+    sharded = {t for t, kind in m["sharding"].items() if kind != "data_parallel"}
+    assert {t for r in m["ranks"] for t in r["tables"]} == sharded and sharded
     assert all(r["tables"] for r in m["ranks"])  # the planner spread the tables over both processes
     png = (out / "dlrm.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

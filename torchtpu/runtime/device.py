@@ -229,13 +229,107 @@ def _make_module():
             return False
 
     for f in (is_available, is_initialized, _is_in_bad_fork, device_count, current_device, set_device,
+              current_stream, default_stream, stream,
               synchronize, manual_seed, manual_seed_all, seed, seed_all, initial_seed, get_rng_state,
               set_rng_state, memory_allocated, max_memory_allocated, memory_reserved, max_memory_reserved,
               reset_peak_memory_stats, memory_stats, mem_get_info, empty_cache, get_device_name,
               get_amp_supported_dtype, is_bf16_supported):
         setattr(m, f.__name__, f)
     m.device = device
+    m.Stream = Stream
+    m.Event = Event
     return m
+
+
+# ---------------------------------------------------------------- streams
+# A tpu has one in-order queue: JAX dispatches each executable without waiting and runs them in order.
+# torch code written for accelerators (torch.distributed.checkpoint's writer, TorchRec's train pipelines)
+# asks the device module for its current stream, enters stream contexts and synchronizes streams or
+# events; these answer that on the one queue: waiting on a stream or event waits for all work issued.
+class Stream:
+    """The tpu's one in-order queue (every ``Stream`` is the same queue)."""
+
+    device_type = "tpu"
+    device_index = 0
+
+    def __init__(self, device=None, priority: int = 0, **kwargs):
+        _tpu_index(device)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("tpu", 0)
+
+    def synchronize(self) -> None:
+        synchronize_all()
+
+    def query(self) -> bool:
+        synchronize_all()  # no cheap "is it idle" question to XLA: wait, then it is
+        return True
+
+    def wait_stream(self, stream) -> None:  # one queue: already ordered
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> "Event":
+        return event if event is not None else Event()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Stream)
+
+    def __hash__(self) -> int:
+        return hash(Stream)
+
+    def __repr__(self) -> str:
+        return "torch.tpu.Stream(device=tpu:0)"
+
+
+class Event:
+    """A point in the tpu's queue; waiting on it waits for all work issued."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:  # one queue: later work already runs after it
+        pass
+
+    def query(self) -> bool:
+        synchronize_all()
+        return True
+
+    def synchronize(self) -> None:
+        synchronize_all()
+
+
+_STREAM = Stream()
+
+
+def current_stream(device=None) -> Stream:
+    _tpu_index(device)
+    return _STREAM
+
+
+def default_stream(device=None) -> Stream:
+    _tpu_index(device)
+    return _STREAM
+
+
+class stream:  # noqa: N801 (torch.cuda.stream's spelling)
+    """Context manager selecting a stream: there is one, so it only checks the argument."""
+
+    def __init__(self, s):
+        if s is not None and not isinstance(s, Stream):
+            raise TypeError(f"torch.tpu.stream: expected a torch.tpu.Stream or None, got {type(s).__name__}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 # ---------------------------------------------------------------- torch.accelerator

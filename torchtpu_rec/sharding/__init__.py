@@ -12,27 +12,14 @@ from .embedding import (
     TPUShardedEmbeddingCollection,
 )
 from .kernel import TPU_COMPUTE_KERNELS, TPUBatchedEmbedding, TPUBatchedEmbeddingBag
+from . import dmp as _dmp
+from .dmp import compile_dense, tpu_data_parallel_wrapper
+from .planner import tpu_sharders
 
-
-def tpu_sharders(fused_params=None, **kwargs):
-    """The tpu sharders of EmbeddingBagCollection and EmbeddingCollection (see planner.tpu_sharders)."""
-    from .planner import tpu_sharders as _tpu_sharders
-
-    return _tpu_sharders(fused_params, **kwargs)
-
-
-def tpu_data_parallel_wrapper(**ddp_kwargs):
-    """DMP's ``data_parallel_wrapper`` for tpu: DDP of the dense part without ``static_graph``.
-
-    TorchRec's default wrapper builds DDP(static_graph=True), whose reducer asks the PrivateUse1
-    hooks for a pinned host allocator that a Python backend cannot provide (torch 2.13).
-    """
-    from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
-
-    return DefaultDataParallelWrapper(static_graph=False, ddp_kwargs=ddp_kwargs or None)
-
+_dmp.install()  # DistributedModelParallel(model, device=torch.device("tpu")) gets the tpu defaults
 
 __all__ = [
+    "compile_dense",
     "tpu_data_parallel_wrapper",
     "tpu_placements",
     "TPU_COMPUTE_KERNELS",

@@ -48,7 +48,7 @@ from torchrec.distributed.types import (
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from .embeddingbag import HOST, TPUSharderMixin, tpu_placements
+from .embeddingbag import HOST, TPUSharderMixin, check_kjt, tpu_placements
 from .kernel import TPU_COMPUTE_KERNELS, TPUGroupedEmbeddingsLookup
 
 TPU_SEQUENCE_SHARDING_TYPES = [
@@ -267,11 +267,9 @@ class TPUShardedEmbeddingCollection(ShardedEmbeddingCollection):
             self._device = device
 
     def input_dist(self, ctx, features):
-        if isinstance(features, KeyedJaggedTensor) and features.values().device.type != "cpu":
+        check_kjt("EmbeddingCollection", self._embedding_configs, features)
+        if features.values().device.type != "cpu":
             features = features.to(HOST)
-        if isinstance(features, KeyedJaggedTensor) and features.variable_stride_per_key():
-            raise NotImplementedError("torchtpu_rec: variable batch size per feature (VBE) is not supported "
-                                      "for EmbeddingCollection on tpu")
         return super().input_dist(ctx, features)
 
 

@@ -72,6 +72,28 @@ def tpu_placements(params: Dict[str, ParameterSharding]) -> Dict[str, ParameterS
     return params
 
 
+def check_kjt(module: str, configs, features: KeyedJaggedTensor) -> None:
+    """Refuse, before any collective, a KJT that lacks a feature of ``configs`` (the module's tables) or has a
+    variable batch size per feature (VBE), naming the features and their tables. Every rank runs this on its
+    own batch: when all ranks' batches share the fault (one data pipeline), every rank raises it."""
+    keys = features.keys()
+    present = set(keys)
+    missing = [(f, c.name) for c in configs for f in c.feature_names if f not in present]
+    if missing:
+        raise ValueError(
+            f"torchtpu_rec: {module}: the KeyedJaggedTensor lacks features "
+            f"{', '.join(f'{f!r} (table {t!r})' for f, t in missing)}; it has {list(keys)}. Every feature of a sharded "
+            "module must be in every batch (a feature without ids has length 0)")
+    if features.variable_stride_per_key():
+        strides = dict(zip(keys, features.stride_per_key()))
+        common = max(set(strides.values()), key=list(strides.values()).count)
+        odd = {f: b for f, b in strides.items() if b != common}
+        raise NotImplementedError(
+            f"torchtpu_rec: {module}: variable batch size per feature (VBE) is not supported on tpu: features "
+            f"{odd} have another batch size than the others ({common}); batch sizes per feature: {strides}. "
+            "Give every feature the same batch size (stride)")
+
+
 class _PooledTPUMixin:
     """create_input_dist on the host, create_lookup with tpu kernels."""
 
@@ -210,7 +232,8 @@ class TPUShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return self.compute_and_output_dist(ctx, tensors.wait())
 
     def input_dist(self, ctx, features):
-        if isinstance(features, KeyedJaggedTensor) and features.values().device.type != "cpu":
+        check_kjt("EmbeddingBagCollection", self._embedding_bag_configs, features)
+        if features.values().device.type != "cpu":
             features = features.to(HOST)
         dim_per_key = self._dim_per_key
         if dim_per_key is not None and dim_per_key.device.type != "cpu":

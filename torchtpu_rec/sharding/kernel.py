@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 import torchtpu
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
 from torchrec.distributed.batched_embedding_kernel import (
     BaseBatchedEmbedding,
     BaseBatchedEmbeddingBag,
@@ -38,6 +40,7 @@ from torchrec.distributed.composable.table_batched_embedding_slice import TableB
 from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
 from torchrec.distributed.types import ShardingType
+from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.distributed.utils import append_prefix
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -187,13 +190,68 @@ def _table_slices(store: TPUTableBatchedEmbeddings, config: GroupedEmbeddingConf
     return out
 
 
-class TPUFusedOptimizer(KeyedOptimizer):
-    """TorchRec's view of a fused kernel's optimizer: state lives with the kernel, step() is a no-op
-    (the update happened in the backward), zero_grad() has nothing to clear."""
+def _state_metadata(table, state: torch.Tensor) -> Tuple[Dict, ShardedTensorMetadata]:
+    """(table shard metadata -> state shard metadata, the state's global metadata) of one optimizer state
+    of a sharded table: a state shaped like the table is sharded like it; a per-row state (row-wise
+    Adagrad) is sharded over rows, and a column-sharded table's per-row states sit side by side (one row
+    block per column shard, in column order: each shard keeps its own accumulators), as in TorchRec."""
+    glob = table.global_metadata
+    props = TensorProperties(dtype=state.dtype, layout=state.layout, requires_grad=False)
+    shards = glob.shards_metadata
+    if state.dim() == 2:
+        mapping = {m: ShardMetadata(list(m.shard_offsets), list(m.shard_sizes), m.placement) for m in shards}
+        return mapping, ShardedTensorMetadata(list(mapping.values()), glob.size, props)
+    column_sharded = table.local_cols != table.embedding_dim
+    if column_sharded:
+        shards = sorted(shards, key=lambda m: m.shard_offsets[1])
+    mapping = {}
+    for i, m in enumerate(shards):
+        offset = i * m.shard_sizes[0] if column_sharded else m.shard_offsets[0]
+        mapping[m] = ShardMetadata([offset], [m.shard_sizes[0]], m.placement)
+    rows = glob.size[0] * (len(shards) if column_sharded else 1)
+    return mapping, ShardedTensorMetadata(list(mapping.values()), torch.Size([rows]), props)
 
-    def __init__(self, params: Dict[str, torch.Tensor], fused: KernelTables):
+
+def _fused_state(config: GroupedEmbeddingConfig, store: "TPUTableBatchedEmbeddings", pg) -> Dict[str, Dict]:
+    """Per table name, its fused-optimizer state as TorchRec's fbgemm kernels expose it: ``<table>.momentum1``
+    (Adagrad / row-wise Adagrad accumulators, Adam's first moment), ``<table>.exp_avg_sq`` (Adam), as
+    ShardedTensors whose local shards are views of the kernel's state (loading one writes the kernel's
+    state in place); Adam adds ``<table>.step`` (the host step count of the table's stack)."""
+    per_table: Dict[str, list] = {}
+    for t, table in enumerate(config.embedding_tables):
+        stack, row_off = store._table_stack[t]
+        rows = store.embedding_specs[t][0]
+        opt = store._stacks[stack].optimizer
+        names = list(opt.state_shapes(1, 1))
+        views = [s[row_off: row_off + rows] for s in store._states[stack]]
+        per_table.setdefault(table.name, []).append((table, names, views, stack))
+    out: Dict[str, Dict] = {}
+    for name, shards in per_table.items():
+        table, names, _, stack = shards[0]
+        state: Dict = {}
+        if table.global_metadata is None or table.local_metadata is None:
+            continue
+        for k, sname in enumerate(names):
+            mapping, glob = _state_metadata(table, shards[0][2][k])
+            local = [Shard(views[k], mapping[tb.local_metadata]) for tb, _, views, _ in shards]
+            key = "momentum1" if k == 0 else sname  # TorchRec's names (the first state is "momentum1")
+            state[f"{name}.{key}"] = ShardedTensor._init_from_local_shards_and_global_metadata(
+                local, glob, process_group=pg)
+        if store._stacks[stack].optimizer.kind == "adam":
+            state[f"{name}.step"] = store.tables.steps[stack: stack + 1]
+        out[name] = state
+    return out
+
+
+class TPUFusedOptimizer(KeyedOptimizer):
+    """TorchRec's view of a fused kernel's optimizer: the state lives with the kernel (see
+    :func:`_fused_state`; ``state_dict()`` / ``load_state_dict()`` read and write it in place), step() is
+    a no-op (the update happened in the backward) apart from taking the lr of its param group, and
+    zero_grad() has nothing to clear."""
+
+    def __init__(self, params: Dict[str, torch.Tensor], fused: KernelTables, state_by_table: Dict[str, Dict]):
         self._fused = fused
-        state = {p: {} for p in params.values()}
+        state = {p: dict(state_by_table.get(key[: -len(".weight")], {})) for key, p in params.items()}
         super().__init__(params, state, [{"params": list(params.values()), "lr": fused.lr}])
 
     def zero_grad(self, set_to_none: bool = False) -> None:
@@ -202,6 +260,9 @@ class TPUFusedOptimizer(KeyedOptimizer):
     def step(self, closure: Any = None) -> None:
         # apply lr changes made by schedulers through param_groups
         self._fused.lr = float(self.param_groups[0]["lr"])
+
+    def post_load_state_dict(self) -> None:
+        self.step()  # a loaded param group's lr
 
 
 class _TPUKernelMixin:
@@ -233,7 +294,8 @@ class _TPUKernelMixin:
             params = {}
             for t in config.embedding_tables:
                 params[f"{t.name}.weight"] = self._param_per_table[t.name]
-            self._fused_optimizer = TPUFusedOptimizer(params, self._fused)
+            self._fused_optimizer = TPUFusedOptimizer(params, self._fused,
+                                                      _fused_state(config, self._emb_module, self._pg))
             for p in self._param_per_table.values():
                 p._in_backward_optimizers = [self._fused_optimizer]  # noqa: SLF001 (TorchRec's convention)
         if device.type != "meta":
@@ -315,6 +377,14 @@ class TPUBatchedEmbedding(_TPUKernelMixin, BaseBatchedEmbedding[torch.Tensor]):
         return torch.cat(pieces) if pieces else outs[0].narrow(0, 0, 0)
 
 
+class TPUBatchedFusedEmbeddingBag(TPUBatchedEmbeddingBag, FusedOptimizerModule):
+    """A FUSED pooled kernel: TorchRec collects its ``fused_optimizer`` into ``dmp.fused_optimizer``."""
+
+
+class TPUBatchedFusedEmbedding(TPUBatchedEmbedding, FusedOptimizerModule):
+    """A FUSED sequence kernel: TorchRec collects its ``fused_optimizer`` into ``dmp.fused_optimizer``."""
+
+
 def _check_kernel(config: GroupedEmbeddingConfig) -> None:
     if config.compute_kernel.value not in TPU_COMPUTE_KERNELS:
         raise ValueError(f"torchtpu_rec: compute kernel '{config.compute_kernel.value}' of tables "
@@ -327,7 +397,9 @@ class TPUGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
 
     def _create_embedding_kernel(self, config, device, pg, sharding_type, env):
         _check_kernel(config)
-        return TPUBatchedEmbeddingBag(config=config, pg=pg, device=device, sharding_type=sharding_type)
+        cls = TPUBatchedFusedEmbeddingBag if config.compute_kernel == EmbeddingComputeKernel.FUSED else \
+            TPUBatchedEmbeddingBag
+        return cls(config=config, pg=pg, device=device, sharding_type=sharding_type)
 
 
 class TPUGroupedEmbeddingsLookup(GroupedEmbeddingsLookup):
@@ -335,4 +407,5 @@ class TPUGroupedEmbeddingsLookup(GroupedEmbeddingsLookup):
 
     def _create_embedding_kernel(self, config, pg, device, env=None):
         _check_kernel(config)
-        return TPUBatchedEmbedding(config=config, pg=pg, device=device)
+        cls = TPUBatchedFusedEmbedding if config.compute_kernel == EmbeddingComputeKernel.FUSED else TPUBatchedEmbedding
+        return cls(config=config, pg=pg, device=device)
