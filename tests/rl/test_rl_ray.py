@@ -1,5 +1,8 @@
 """torchtpu_rl on Ray: weight sync (both transports), faults, checkpoint/resume, the RLHF example.
 
+(The in-process weight-sync tests are in test_weight_sync.py; learner death, faults during a
+sync and the chaos run in test_fault_tolerance.py.)
+
 One learner actor and two rollout-worker actors (a tiny policy, the RLHF example's
 configuration so the XLA cache is shared with the job-submission test) serve every
 test of the module; the Ray head is the session fixture of tests/conftest.py.
@@ -13,77 +16,13 @@ import os
 import sys
 import time
 
-import numpy as np
 import pytest
-import torch
-
-import torchtpu
-from torchtpu_rl import weight_sync as ws
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import rl_common  # noqa: E402
 
 ANSWER_LEN = 4
-
-
-# ------------------------------------------------------------------ weight sync, in process
-def _mixed_state():
-    g = torch.Generator().manual_seed(0)
-    return {
-        "w": torch.randn(37, 19, generator=g),
-        "b16": torch.randn(300, generator=g).to(torch.bfloat16),
-        "idx": torch.arange(1000, dtype=torch.int64).reshape(10, 100),
-        "flag": torch.rand(77, generator=g) > 0.5,
-        "scalar": torch.tensor(3.25),
-        "empty": torch.zeros(0, 4),
-        "big": torch.randn(3000, generator=g),  # spans several 4 KiB buckets
-    }
-
-
-def test_bucket_plan_covers_every_byte_once():
-    sd = _mixed_state()
-    plan = ws.plan_buckets(sd, bucket_bytes=4096)
-    assert plan.num_buckets == -(-plan.total_bytes // 4096) > 3
-    seen = {s.name: np.zeros(s.nbytes, np.int32) for s in plan.slots}
-    for b in range(plan.num_buckets):
-        lo, hi = plan.bucket_range(b)
-        assert hi - lo == (4096 if b < plan.num_buckets - 1 else plan.total_bytes - lo)
-        for i, a, z in plan.segments(b):
-            seen[plan.slots[i].name][a:z] += 1
-            assert lo <= plan.slots[i].offset + a and plan.slots[i].offset + z <= hi
-    assert all((v == 1).all() for v in seen.values())
-    assert all(s.offset % ws.ALIGN == 0 for s in plan.slots)
-    with pytest.raises(ValueError, match="bucket_bytes"):
-        ws.plan_buckets(sd, bucket_bytes=100)
-    with pytest.raises(ValueError, match="'w'"):
-        plan.check_matches({**sd, "w": torch.zeros(3)})
-
-
-@pytest.mark.parametrize("where", ["host", "device"])
-def test_pack_unpack_round_trip(where):
-    """The bytes of every tensor survive the bucket layout: host arena (object store / gloo)
-    and the jitted device pack/unpack of tpu buckets."""
-    sd = {k: v.to("tpu") for k, v in _mixed_state().items()}
-    plan = ws.plan_buckets(sd, bucket_bytes=4096)
-    if where == "host":
-        arena = ws._new_arena(plan.total_bytes)
-        an = arena.numpy()
-        tensors = list(sd.values())
-        for b in range(plan.num_buckets):
-            for i, a, z in plan.segments(b):
-                d = plan.slots[i].offset + a
-                an[d:d + z - a] = ws.host_bytes(tensors[i])[a:z]
-        out = ws._tensors_from_arena(plan, arena, "tpu")
-    else:
-        arrays = [torchtpu.to_jax(t) for t in sd.values()]
-        buckets = []
-        for b in range(plan.num_buckets):
-            idx = sorted({i for i, _, _ in plan.segments(b)})
-            buckets.append(ws._pack_fn(plan, b)(*[arrays[i] for i in idx]))
-        out = {s.name: torchtpu.from_jax(a, s.dtype) for s, a in zip(plan.slots, ws._unpack_fn(plan)(*buckets))}
-    assert ws.tensor_checksums(out) == ws.tensor_checksums(sd)
-    assert all(v.device.type == "tpu" for v in out.values())
 
 
 # ------------------------------------------------------------------ the Ray topology
