@@ -160,8 +160,7 @@ class RLDriver:
                  requests_per_worker: int = 1, seed: int = 0, on_reward_error: str = "stop",
                  reward_on_error: float = 0.0, recovery_timeout_s: float = 120.0, tokenizer=None,
                  checkpoint_dir: Optional[str] = None, checkpoint_every: Optional[int] = None,
-                 checkpoint_interval_s: float = 600.0, keep_checkpoints: int = 2,
-                 checkpoint_fn: Optional[Callable] = None, sync_abort_s: float = 10.0):
+                 checkpoint_interval_s: float = 600.0, keep_checkpoints: int = 2, sync_abort_s: float = 10.0):
         from .rollout import SamplingParams
 
         if mode not in ("sync", "async"):
@@ -182,8 +181,6 @@ class RLDriver:
             raise TypeError(f"RLDriver: dataset must be a PromptDataset, not {type(dataset).__name__}")
         if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
             raise ValueError(f"RLDriver: checkpoint_every must be a positive int or None, not {checkpoint_every!r}")
-        if checkpoint_dir is not None and checkpoint_fn is not None:
-            raise ValueError("RLDriver: give checkpoint_dir or checkpoint_fn, not both")
         if not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
             raise ValueError(f"RLDriver: keep_checkpoints must be a positive int, not {keep_checkpoints!r}")
         self.topo = topology
@@ -205,14 +202,16 @@ class RLDriver:
             raise ValueError("RLDriver: a tokenizer (text mode) needs a dataset of text prompts "
                              "(torchtpu_rl.data.load_prompts)")
         self.tokenizer = tokenizer
-        # learner recovery: periodic checkpoints, written by checkpoint_fn(driver) -> path or into
-        # checkpoint_dir (the newest keep_checkpoints kept); every checkpoint_every steps, or when
-        # checkpoint_interval_s have passed since the last one
+        # learner recovery: periodic checkpoints into checkpoint_dir (the newest keep_checkpoints
+        # kept; one before the first step), every checkpoint_every steps or, without it, when
+        # checkpoint_interval_s have passed since the last one. A caller that writes its own
+        # checkpoints (python -m torchtpu_rl.train) sets last_checkpoint instead.
         self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
-        self.checkpoint_fn = checkpoint_fn
         self.checkpoint_every = checkpoint_every
         self.checkpoint_interval_s = float(checkpoint_interval_s)
         self.keep_checkpoints = keep_checkpoints
+        # after a member of a collective sync died, how long the others may take to fail or finish
+        # before the driver kills them (they are restarted); never the group's own timeout
         self.sync_abort_s = float(sync_abort_s)
         self.last_checkpoint: Optional[str] = None  # the newest checkpoint saved or loaded: what a dead learner restarts from
         self._last_checkpoint_time = time.monotonic()
@@ -242,6 +241,9 @@ class RLDriver:
         # called as hook(driver, step) right after a step's rollout requests are queued on the
         # workers (monitoring, fault injection in tests)
         self.on_rollouts_queued: Optional[Callable] = None
+        # called as hook(driver, step) after the learner trained on step ``step``, before its weights
+        # are synced (fault injection in tests)
+        self.on_trained: Optional[Callable] = None
         self.last_sync: dict = {}
         self.last_batch = None  # the RolloutBatch of the latest step (host tensors)
 
@@ -254,19 +256,25 @@ class RLDriver:
         import ray
 
         if self.learner_version is None:
-            self.learner_version = int(ray.get(self.topo.learner.version.remote()))
+            self.learner_version = int(self._learner_call("version"))
         return self.learner_version
 
     def _setup_group(self) -> None:
-        import ray
-
-        init = ray.get(self.topo.learner.free_port.remote())
         world = 1 + len(self.workers)
-        refs = [self.topo.learner.collective_setup.remote(init, world, self.collective_backend)]
-        refs += [w.collective_setup.remote(init, world, i + 1, self.collective_backend)
-                 for i, w in enumerate(self.workers)]
-        ray.get(refs)
-        self._group_ready = True
+        for _ in range(3):
+            init = self._learner_call("free_port")
+            refs = [("learner", self.topo.learner.collective_setup.remote(init, world, self.collective_backend))]
+            refs += [(i, w.collective_setup.remote(init, world, i + 1, self.collective_backend))
+                     for i, w in enumerate(self.workers)]
+            _, failed = self._wait_sync(refs)
+            if not failed:
+                self._group_ready = True
+                return
+            if "learner" in failed:
+                raise _LearnerDied(f"the learner {failed['learner']} while the sync group was built")
+            for i in failed:  # a worker died while joining: again with its restarted process
+                self._revive_worker(i)
+        raise RuntimeError("RLDriver: could not build the weight-sync group (members kept dying)")
 
     def sync_weights(self, wait: bool = True) -> dict:
         """Send the learner's weights to every worker: one control call per actor."""
@@ -276,16 +284,17 @@ class RLDriver:
             self._finish_sync()
         self._sync_started = time.perf_counter()
         if self.transport == "object_store":
-            update = ray.get(self.topo.learner.publish_weights.remote())
+            update = self._learner_call("publish_weights")
             self._last_update = update  # kept: a restarted worker is re-synced from it
             self._sync_version = update.version
-            self._sync_refs = [w.update_weights.remote(update, self._next_seq(i)) for i, w in enumerate(self.workers)]
+            self._sync_refs = [(i, w.update_weights.remote(update, self._next_seq(i)))
+                               for i, w in enumerate(self.workers)]
         else:
             if not self._group_ready:
                 self._setup_group()
             self._sync_version = self._learner_version()
-            self._sync_refs = [self.topo.learner.broadcast_weights.remote()]
-            self._sync_refs += [w.receive_weights.remote(self._next_seq(i)) for i, w in enumerate(self.workers)]
+            self._sync_refs = [("learner", self.topo.learner.broadcast_weights.remote())]
+            self._sync_refs += [(i, w.receive_weights.remote(self._next_seq(i))) for i, w in enumerate(self.workers)]
         if wait:
             return self._finish_sync()
         return {}
@@ -295,75 +304,210 @@ class RLDriver:
         self._seq[i] += 1
         return s
 
-    def _finish_sync(self) -> dict:
+    def _learner_call(self, method: str, *args):
+        """``ray.get`` of one learner call; the learner's death raises :class:`_LearnerDied`."""
         import ray
 
-        refs, self._sync_refs = self._sync_refs, []
-        infos = []
         try:
-            infos = ray.get(refs)
+            return ray.get(getattr(self.topo.learner, method).remote(*args))
         except _actor_errors() as e:
-            # a worker died during the sync: recover it (which re-syncs everyone who needs it)
-            self.events.append({"event": "worker_died_during_sync", "error": type(e).__name__,
-                                "step": self.step_idx})
-            for i in range(len(self.workers)):
-                self._ensure_worker(i)
+            raise _LearnerDied(f"the learner died during {method}") from e
+
+    def _wait_sync(self, refs: list) -> tuple:
+        """Wait for a sync's calls ``[(who, ref)]``. Returns ``(infos, failed)``: the results by
+        member and ``{member: why}`` for those that died ("died"), left a broken collective group
+        ("aborted"; the object-store update lost with a dead learner counts too) or were still
+        blocked ``sync_abort_s`` after the first failure ("stuck": killed here, restarted by Ray)."""
+        import ray
+
+        pending = {ref: who for who, ref in refs}
+        infos, failed, deadline = {}, {}, None
+        while pending:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            if not done:
+                for who in pending.values():
+                    failed[who] = "stuck"
+                    ray.kill(self.topo.learner if who == "learner" else self.workers[who], no_restart=False)
+                break
+            who = pending.pop(done[0])
+            try:
+                infos[who] = ray.get(done[0])
+                continue
+            except _actor_errors():
+                failed[who] = "died"
+            except ray.exceptions.RayTaskError as e:
+                if not _sync_failure(e):
+                    raise
+                failed[who] = "aborted"
+            if deadline is None:
+                deadline = time.monotonic() + self.sync_abort_s
+        return infos, failed
+
+    def _finish_sync(self) -> dict:
+        refs, self._sync_refs = self._sync_refs, []
+        infos, failed = self._wait_sync(refs)
+        if failed:
+            self.events.append({"event": "sync_failed", "step": self.step_idx, "version": self._sync_version,
+                                "members": {str(k): v for k, v in failed.items()},
+                                "seconds": time.perf_counter() - self._sync_started})
+            if "learner" in failed and failed["learner"] != "aborted":
+                raise _LearnerDied(f"the learner {failed['learner']} during the weight sync")
+            if self.transport == "object_store" and any(v == "aborted" for v in failed.values()):
+                # the update's objects are gone with their owner: the learner died before the workers
+                # fetched them
+                self._learner_call("status")  # raises _LearnerDied when it did
+            if self.transport == "collective":
+                self._group_ready = False
+            self._resync([k for k in failed if k != "learner"] or list(range(len(self.workers))))
         self.worker_version = self._sync_version
         dt = time.perf_counter() - self._sync_started
-        worker_infos = [i for i in infos if isinstance(i, dict) and "worker" in i]
+        worker_infos = [v for k, v in infos.items() if k != "learner"]
+        sender = infos.get("learner") or (self._last_update.timings if self.transport == "object_store"
+                                          and self._last_update is not None else {})
         self.last_sync = {"sync_s": dt, "version": self._sync_version,
-                          "bytes": worker_infos[0]["bytes"] if worker_infos else None,
+                          "bytes": worker_infos[0]["bytes"] if worker_infos else sender.get("bytes"),
                           "max_paused_s": max((i.get("paused_s", 0.0) for i in worker_infos), default=0.0)}
+        # the four phases: the sender's, and the slowest worker's
+        for k in ("pack_s", "publish_s", "prefault_s", "cast_max_abs_error", "cast_rel_error"):
+            if k in sender:
+                self.last_sync[k] = sender[k]
+        for k in ("fetch_s", "install_s"):
+            if worker_infos:
+                self.last_sync[k] = max(i.get(k, 0.0) for i in worker_infos)
         return self.last_sync
 
     # ------------------------------------------------------------ faults
-    def _ensure_worker(self, i: int) -> None:
-        """Make worker ``i`` usable at the current weights: wait for Ray to restart it (or start a
-        replacement when it cannot be restarted) and re-sync it."""
+    def _revive_worker(self, i: int) -> dict:
+        """Wait for Ray to restart worker ``i`` (or start a replacement when it is out of
+        restarts); returns its status."""
         import ray
 
         w = self.workers[i]
-        t0 = time.perf_counter()
-        status = None
-        deadline = time.monotonic() + self.recovery_timeout_s
-        while status is None:
-            try:
-                status = ray.get(w.status.remote(), timeout=self.recovery_timeout_s)
-            except _actor_errors() as e:
-                import ray.exceptions as rex
+        try:
+            return wait_for_actor(w, self.recovery_timeout_s)
+        except _actor_errors():
+            # out of restarts: a fresh actor in its place
+            self.events.append({"event": "worker_replaced", "worker": i, "step": self.step_idx})
+            from .workers import RolloutWorker
 
-                if isinstance(e, getattr(rex, "ActorUnavailableError", ())) and time.monotonic() < deadline:
-                    time.sleep(0.2)  # restarting
-                    continue
-                # out of restarts: a fresh actor in its place
-                self.events.append({"event": "worker_replaced", "worker": i, "step": self.step_idx})
-                from .workers import RolloutWorker
+            policy_fn, pad_id, engine_kwargs = self.topo.worker_args
+            w = ray.remote(RolloutWorker).options(**self.topo.worker_options).remote(
+                policy_fn, pad_id, i, engine_kwargs)
+            self.workers[i] = w
+            self._group_ready = False
+            return wait_for_actor(w, self.recovery_timeout_s)
 
-                policy_fn, pad_id, engine_kwargs = self.topo.worker_args
-                w = ray.remote(RolloutWorker).options(**self.topo.worker_options).remote(
-                    policy_fn, pad_id, i, engine_kwargs)
-                self.workers[i] = w
-                self._group_ready = False
-        target = self._sync_version
-        if status is not None and status["version"] == target and (
+    def _ensure_worker(self, i: int) -> None:
+        """Make worker ``i`` usable at the current weights (restarted and re-synced if it died)."""
+        status = self._revive_worker(i)
+        if status["version"] == self._sync_version and (
                 self.transport == "object_store" or (self._group_ready and status["group"])):
             return
-        self.events.append({"event": "worker_restarted", "worker": i, "pid": status["pid"] if status else None,
-                            "step": self.step_idx})
-        if self.transport == "object_store":
-            if self._last_update is not None:
-                ray.get(w.update_weights.remote(self._last_update, self._next_seq(i)))
+        self._resync([i], statuses={i: status})
+
+    def _resync(self, indices: list, statuses: Optional[dict] = None) -> None:
+        """Bring workers ``indices`` (some may have died) back to the current weights. With the
+        collective transport the group is rebuilt for everyone and the weights broadcast again."""
+        import ray
+
+        t0 = time.perf_counter()
+        statuses = dict(statuses or {})
+        for i in indices:
+            if i not in statuses:
+                statuses[i] = self._revive_worker(i)
+            self.events.append({"event": "worker_restarted", "worker": i, "pid": statuses[i]["pid"],
+                                "step": self.step_idx})
+        target = self._sync_version
+        for attempt in range(3):
+            if self.transport == "object_store":
+                if self._last_update is None:
+                    break
+                refs = [(i, self.workers[i].update_weights.remote(self._last_update, self._next_seq(i)))
+                        for i in indices]
+            else:
+                self._group_ready = False
+                self._learner_call("collective_teardown")
+                ray.get([x.collective_teardown.remote() for x in self.workers])
+                self._setup_group()
+                refs = [("learner", self.topo.learner.broadcast_weights.remote())]
+                refs += [(k, x.receive_weights.remote(self._next_seq(k))) for k, x in enumerate(self.workers)]
+            _, failed = self._wait_sync(refs)
+            if not failed:
+                break
+            if "learner" in failed and failed["learner"] != "aborted":
+                raise _LearnerDied(f"the learner {failed['learner']} while re-syncing workers")
+            indices = sorted(k for k in failed if k != "learner") or indices
+            for i in indices:
+                self._revive_worker(i)
         else:
-            # a new member: the group is rebuilt for everyone, then the current weights broadcast
+            raise RuntimeError(f"RLDriver: could not re-sync rollout workers {indices} to version {target}")
+        for i in indices:
+            self.events.append({"event": "worker_resynced", "worker": i, "seconds": time.perf_counter() - t0,
+                                "version": target})
+
+    # ------------------------------------------------------------ learner recovery
+    def _maybe_checkpoint(self) -> None:
+        """The periodic checkpoint (``checkpoint_dir``): every ``checkpoint_every`` steps, or
+        ``checkpoint_interval_s`` after the last one."""
+        if self.checkpoint_dir is None:
+            return
+        due = (self.step_idx % self.checkpoint_every == 0 if self.checkpoint_every
+               else time.monotonic() - self._last_checkpoint_time >= self.checkpoint_interval_s)
+        if due or self.last_checkpoint is None:
+            self._save_periodic()
+
+    def _save_periodic(self) -> None:
+        path = os.path.join(self.checkpoint_dir, f"step_{self.step_idx:08d}.pt")
+        self.save_checkpoint(path)
+        if path in self._own_checkpoints:
+            self._own_checkpoints.remove(path)
+        self._own_checkpoints.append(path)
+        while len(self._own_checkpoints) > self.keep_checkpoints:
+            old = self._own_checkpoints.pop(0)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(old)
+
+    def _recover_learner(self, error: BaseException) -> None:
+        """The learner died: wait for Ray to restart it (or start a new one), load the last
+        checkpoint into it, drop everything generated after that checkpoint, re-sync the workers
+        to the checkpoint's version and go on from the checkpoint's step."""
+        import ray
+
+        t0 = time.perf_counter()
+        died_at = self.step_idx
+        self.events.append({"event": "learner_died", "step": died_at, "error": str(error)})
+        if self.last_checkpoint is None:
+            raise RuntimeError(f"RLDriver: the learner died at step {died_at} and there is no checkpoint to restart "
+                               f"it from (give checkpoint_dir, or set last_checkpoint)") from error
+        # in-flight calls run out (a worker's receive from the dead learner fails; its object-store
+        # update is lost with it): their results are not used
+        calls = [ref for _, ref in self._sync_refs] + [ref for sr in self._pending for ref in sr.refs]
+        self._sync_refs = []
+        if calls:
+            ray.wait(calls, num_returns=len(calls), timeout=self.recovery_timeout_s)
+        self._pending.clear()
+        self._last_update = None
+        try:
+            status = wait_for_actor(self.topo.learner, self.recovery_timeout_s)
+        except _actor_errors():
+            # out of restarts: a new learner actor with the same arguments
+            from .workers import LearnerWorker
+
+            args, kwargs = self.topo.learner_args
+            self.topo.learner = ray.remote(LearnerWorker).options(**self.topo.learner_options).remote(*args, **kwargs)
+            self.events.append({"event": "learner_replaced", "step": died_at})
+            status = wait_for_actor(self.topo.learner, self.recovery_timeout_s)
+        if self.transport == "collective":  # the survivors' group lost its rank 0
             self._group_ready = False
-            ray.get([self.topo.learner.collective_teardown.remote()]
-                    + [x.collective_teardown.remote() for x in self.workers])
-            self._setup_group()
-            refs = [self.topo.learner.broadcast_weights.remote()]
-            refs += [x.receive_weights.remote(self._next_seq(k)) for k, x in enumerate(self.workers)]
-            ray.get(refs)
-        self.events.append({"event": "worker_resynced", "worker": i, "seconds": time.perf_counter() - t0,
-                            "version": target})
+            ray.get([w.collective_teardown.remote() for w in self.workers])
+        state = self.load_checkpoint(self.last_checkpoint)
+        self._recovery = {"t0": t0}
+        self.events.append({"event": "learner_restored", "step": self.step_idx, "died_at_step": died_at,
+                            "version": self.learner_version, "pid": status["pid"], "checkpoint": self.last_checkpoint,
+                            "seconds": time.perf_counter() - t0})
+        if self.on_learner_restored is not None:
+            self.on_learner_restored(self, int(state["step"]))
 
     # ------------------------------------------------------------ rollouts
     def _make_step(self, step: int) -> _StepRollouts:
@@ -431,10 +575,14 @@ class RLDriver:
     def _score(self, prompts, responses, metas) -> tuple:
         import ray
 
+        def reward_actor_died(e):
+            self.events.append({"event": "reward_actor_died", "step": self.step_idx, "error": type(e).__name__})
+
         def call(ps, rs, ms):
             if self.reward_fn is not None:
                 return list(self.reward_fn(ps, rs, ms))
-            return list(ray.get(self.topo.reward_actor.score.remote(ps, rs, ms)))
+            return list(call_restartable(self.topo.reward_actor, "score", ps, rs, ms,
+                                         timeout_s=self.recovery_timeout_s, on_death=reward_actor_died))
 
         errors = []
         extra = {}
@@ -497,9 +645,30 @@ class RLDriver:
 
     # ------------------------------------------------------------ the step
     def step(self) -> dict:
-        """One training step; returns its metrics."""
-        import ray
+        """One training step; returns its metrics. A learner that dies is restarted from the last
+        checkpoint (``last_checkpoint``) and the run goes on from there: the step returned is then
+        the one after the checkpoint (see the module doc)."""
+        died = None
+        while True:
+            try:
+                if died is not None:
+                    self._recover_learner(died)
+                    died = None
+                if self.checkpoint_dir is not None and self.last_checkpoint is None:
+                    self._save_periodic()  # a learner that dies before the first periodic one restarts here
+                out = self._step()
+                if self._recovery is not None:
+                    # the time from the learner's death to the end of the first step after it
+                    out["recovery_s"] = time.perf_counter() - self._recovery["t0"]
+                    self.events.append({"event": "first_step_after_recovery", "step": out["step"],
+                                        "seconds": out["recovery_s"]})
+                    self._recovery = None
+                self._maybe_checkpoint()
+                return out
+            except _LearnerDied as e:
+                died = e  # (again, when it dies during its own recovery)
 
+    def _step(self) -> dict:
         from .rollout import RolloutBatch
 
         t0 = time.perf_counter()
@@ -530,9 +699,11 @@ class RLDriver:
         if self.mode == "async":
             self._launch_ahead()  # overlaps the next rollouts with this training step
         t_tr = time.perf_counter()
-        metrics = ray.get(self.topo.learner.train_step.remote(batch.state(), rewards))
+        metrics = self._learner_call("train_step", batch.state(), rewards)
         t_train = time.perf_counter() - t_tr
         self.learner_version = int(metrics["policy_version"])
+        if self.on_trained is not None:
+            self.on_trained(self, sr.step)
         self.sync_weights(wait=(self.mode == "sync"))
         rw = np.asarray(rewards, dtype=np.float64)
         out = {
@@ -553,6 +724,10 @@ class RLDriver:
             "sync_s": self.last_sync.get("sync_s") if self.mode == "sync" else None,
             "faults": sum(1 for e in self.events if e["event"] == "worker_died" and e["step"] == sr.step),
         }
+        if self.mode == "sync":  # the sync's phases (async: the sync finishes during the next step)
+            for k in ("pack_s", "publish_s", "fetch_s", "install_s", "cast_rel_error"):
+                if k in self.last_sync:
+                    out[f"sync_{k}"] = self.last_sync[k]
         for k, v in metrics.items():
             if isinstance(v, (int, float)) and k not in out:
                 out[k] = v
@@ -570,18 +745,24 @@ class RLDriver:
         self._limit = self.step_idx + num_steps
         out = []
         with tqdm(total=num_steps, disable=not progress, desc=f"{self.mode} rl", unit="step") as bar:
-            for _ in range(num_steps):
+            while self.step_idx < self._limit or self._sync_refs:
+                if self.step_idx >= self._limit:  # the last step's sync (async mode)
+                    try:
+                        self._finish_sync()
+                    except _LearnerDied as e:
+                        self._recover_learner(e)
+                    continue
                 m = self.step()
-                out.append(m)
+                # after a learner restart the steps after its checkpoint are done again: keep the new ones
+                out = [o for o in out if o["step"] < m["step"]] + [m]
+                bar.n = len(out)
                 post = {"reward": f"{m['reward_mean']:.3f}", "v": m["policy_version"]}
                 if "kl" in m:
                     post["kl"] = f"{m['kl']:.4f}"
                 bar.set_postfix(post)
-                bar.update()
+                bar.refresh()
                 if on_step is not None:
                     on_step(m)
-        if self._sync_refs:
-            self._finish_sync()
         return out
 
     # ------------------------------------------------------------ evaluation
@@ -651,7 +832,10 @@ class RLDriver:
 
         if self._sync_refs:
             self._finish_sync()
-        return ray.get(self.topo.learner.save_checkpoint.remote(os.fspath(path), self.state_dict()))
+        out = self._learner_call("save_checkpoint", os.fspath(path), self.state_dict())
+        self.last_checkpoint = out
+        self._last_checkpoint_time = time.monotonic()
+        return out
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore the learner and this driver from ``path`` and re-sync the workers."""
@@ -662,7 +846,9 @@ class RLDriver:
         for sr in self._pending:  # work queued under the old position runs out and is dropped
             ray.wait(list(sr.refs), num_returns=len(sr.refs))
         self._pending.clear()
-        state = ray.get(self.topo.learner.load_checkpoint.remote(os.fspath(path)))
+        state = self._learner_call("load_checkpoint", os.fspath(path))
+        self.last_checkpoint = os.fspath(path)
+        self._last_checkpoint_time = time.monotonic()
         if state is None:
             raise ValueError(f"checkpoint {path!r} has no driver state")
         if int(state["seed"]) != self.seed:
