@@ -183,6 +183,8 @@ class RolloutWorker:
         """Take part in the learner's broadcast (the one control call of a collective sync)."""
         t0 = time.perf_counter()
         try:
+            if self.receiver.group is None:  # e.g. a restarted process the group was not rebuilt for yet
+                raise ws.SyncAborted(f"rollout worker {self.worker_index} is not in the weight-sync group")
             update, tensors = self.receiver.receive_broadcast()
             update.plan.check_matches(self.engine.model.state_dict(), who=f"rollout worker {self.worker_index}")
         except BaseException:

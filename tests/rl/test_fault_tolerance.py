@@ -43,9 +43,12 @@ def xla_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def topo(ray_driver, xla_cache):
+    from ray import cloudpickle
+
     from torchtpu_rl.policy import make_policy
     from torchtpu_rl.workers import make_topology
 
+    cloudpickle.register_pickle_by_value(rl_common)  # the reward actor gets digit_reward by value
     pf = functools.partial(make_policy, rl_common.VOCAB, d_model=32, n_layers=1, n_heads=2, max_seq_len=16, seed=0)
     t = make_topology(pf, rl_common.PAD, num_rollout_workers=2, algo="grpo",
                       learner_kwargs={"group_size": 4, "lr": 1e-2, "kl_coef": 0.01},
@@ -148,5 +151,5 @@ def test_learner_death_without_checkpoint_is_a_clear_error(topo):
     d = _driver(topo)
     d.step()
     d.on_rollouts_queued = lambda driver, step: ray.kill(topo.learner, no_restart=False)
-    with pytest.raises(RuntimeError, match="learner died at step 1 and there is no checkpoint"):
+    with pytest.raises(RuntimeError, match="learner died at step 2 and there is no checkpoint"):
         d.step()
