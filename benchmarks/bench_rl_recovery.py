@@ -61,6 +61,8 @@ def main():
     p.add_argument("--d-model", type=int, default=32)
     p.add_argument("--transport", default="collective", choices=("collective", "object_store"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--xla-cache", default=os.path.join("runs", "xla_cache"),
+                   help="persistent XLA cache of the actors (a restarted actor compiles from it; '' to disable)")
     p.add_argument("--threads", type=int, default=THREADS)
     p.add_argument("--out", default="runs/bench_rl_recovery.json")
     args = p.parse_args()
@@ -73,6 +75,8 @@ def main():
     from torchtpu_rl.workers import make_topology
 
     cloudpickle.register_pickle_by_value(rl_common)
+    if args.xla_cache:
+        os.environ.setdefault("TORCHTPU_COMPILATION_CACHE_DIR", os.path.abspath(args.xla_cache))
     pf = functools.partial(make_policy, rl_common.VOCAB, d_model=args.d_model, n_layers=1, n_heads=2,
                            max_seq_len=16, seed=0)
     tmp = tempfile.mkdtemp(prefix="bench_rl_recovery_")
@@ -128,7 +132,8 @@ def main():
     first = next((e for e in d.events if e["event"] == "first_step_after_recovery"), {})
     recovery = {
         "learner": {"killed_at_step": at["learner"], "restored_to_step": restored.get("step"),
-                    "steps_redone": at["learner"] - 1 - restored.get("step", 0),
+                    # completed steps lost with the learner (the step it died in is done again in any case)
+                    "completed_steps_redone": at["learner"] - 1 - restored.get("step", 0),
                     "restart_and_restore_s": restored.get("seconds"),
                     "death_to_first_step_after_recovery_s": first.get("seconds"),
                     "ratio_vs_step": (first.get("seconds") or 0) / ref_step},
@@ -147,7 +152,7 @@ def main():
              "undisturbed_median_step_s": ref_step}
     print(f"undisturbed step {ref_step:.2f} s; learner death -> first step after recovery "
           f"{recovery['learner']['death_to_first_step_after_recovery_s']:.2f} s "
-          f"({recovery['learner']['steps_redone']} steps redone); worker killed in a sync -> step end "
+          f"({recovery['learner']['completed_steps_redone']} completed steps redone); worker killed in a sync -> step end "
           f"{recovery['rollout_worker_in_sync']['kill_to_step_end_s']:.2f} s; reward actor -> step end "
           f"{recovery['reward_actor']['kill_to_step_end_s']:.2f} s", flush=True)
     print(f"final reward (last {last} steps): undisturbed {chaos['final_reward_undisturbed']:.4f}, chaos "

@@ -416,8 +416,9 @@ class RLDriver:
         for i in indices:
             if i not in statuses:
                 statuses[i] = self._revive_worker(i)
-            self.events.append({"event": "worker_restarted", "worker": i, "pid": statuses[i]["pid"],
-                                "step": self.step_idx})
+            if statuses[i]["version"] < 0:  # a new process (an aborted survivor keeps its weights)
+                self.events.append({"event": "worker_restarted", "worker": i, "pid": statuses[i]["pid"],
+                                    "step": self.step_idx})
         target = self._sync_version
         for attempt in range(3):
             if self.transport == "object_store":
