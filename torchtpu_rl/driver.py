@@ -253,8 +253,6 @@ class RLDriver:
         return self.topo.workers
 
     def _learner_version(self) -> int:
-        import ray
-
         if self.learner_version is None:
             self.learner_version = int(self._learner_call("version"))
         return self.learner_version
@@ -278,8 +276,6 @@ class RLDriver:
 
     def sync_weights(self, wait: bool = True) -> dict:
         """Send the learner's weights to every worker: one control call per actor."""
-        import ray
-
         if self._sync_refs:
             self._finish_sync()
         self._sync_started = time.perf_counter()
@@ -574,8 +570,6 @@ class RLDriver:
 
     # ------------------------------------------------------------ rewards
     def _score(self, prompts, responses, metas) -> tuple:
-        import ray
-
         def reward_actor_died(e):
             self.events.append({"event": "reward_actor_died", "step": self.step_idx, "error": type(e).__name__})
 
@@ -829,8 +823,6 @@ class RLDriver:
                             for h in self.history]}
 
     def save_checkpoint(self, path: str) -> str:
-        import ray
-
         if self._sync_refs:
             self._finish_sync()
         out = self._learner_call("save_checkpoint", os.fspath(path), self.state_dict())

@@ -18,6 +18,7 @@ import functools
 import os
 import random
 import sys
+import time
 
 import pytest
 
@@ -63,7 +64,7 @@ def _driver(topo, **kw):
 
     return RLDriver(topo, PromptDataset(rl_common.make_items(ANSWER_LEN), seed=0), None,
                     sampling=SamplingParams(max_new_tokens=ANSWER_LEN), prompts_per_step=4, group_size=4, seed=3,
-                    sync_abort_s=5.0, **kw)
+                    requests_per_worker=2, sync_abort_s=5.0, **kw)
 
 
 def _record(d, seen):
@@ -93,11 +94,15 @@ def test_chaos_run_matches_undisturbed(topo, tmp_path):
     d = _driver(topo, transport="collective", checkpoint_dir=str(tmp_path / "chaos"), checkpoint_every=2)
     d.load_checkpoint(start)
     killed = []
-    pids = {"reward": ray.get(topo.reward_actor.status.remote())["pid"]}
+    pids = {"reward": ray.get(topo.reward_actor.status.remote())["pid"],
+            "worker": ray.get(topo.workers[0].status.remote())["pid"]}
 
     def queued(driver, step):  # step is 0-based here; the metrics' "step" counts from 1
         s = step + 1
         if s == kill_worker_at and "worker" not in killed:
+            deadline = time.monotonic() + 60  # mid-rollout: once it is generating
+            while ray.get(topo.workers[0].status.remote())["generating"] is None and time.monotonic() < deadline:
+                time.sleep(0.005)
             ray.kill(topo.workers[0], no_restart=False)
             killed.append("worker")
         if s == kill_reward_at and "reward" not in killed:
@@ -122,6 +127,10 @@ def test_chaos_run_matches_undisturbed(topo, tmp_path):
     assert {"worker_died", "worker_resynced", "sync_failed", "learner_died", "learner_restored",
             "first_step_after_recovery"} <= set(kinds), kinds
     assert ray.get(topo.reward_actor.status.remote())["pid"] != pids["reward"]
+    assert ray.get(topo.workers[0].status.remote())["pid"] != pids["worker"]
+    assert any(e["event"] == "worker_died" and e["worker"] == 0 and e["step"] == kill_worker_at - 1
+               for e in d.events)
+    assert hist[kill_worker_at - 1]["faults"] >= 1
     # noticed in seconds: the broken sync ended long before the group's 120 s timeout
     assert all(e["seconds"] < 60 for e in d.events if e["event"] == "sync_failed")
     restored = next(e for e in d.events if e["event"] == "learner_restored")

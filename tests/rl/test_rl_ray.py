@@ -1,7 +1,8 @@
 """torchtpu_rl on Ray: weight sync (both transports), faults, checkpoint/resume, the RLHF example.
 
-(The in-process weight-sync tests are in test_weight_sync.py; learner death, faults during a
-sync and the chaos run in test_fault_tolerance.py.)
+(The in-process weight-sync tests are in test_weight_sync.py; actor deaths -- a rollout worker
+mid-rollout and during a sync, the reward actor, the learner -- in test_fault_tolerance.py's
+chaos run.)
 
 One learner actor and two rollout-worker actors (a tiny policy, the RLHF example's
 configuration so the XLA cache is shared with the job-submission test) serve every
@@ -14,7 +15,6 @@ import functools
 import json
 import os
 import sys
-import time
 
 import pytest
 
@@ -88,46 +88,6 @@ def test_weight_sync_checksums(topo, transport, backend):
     assert versions == [m["policy_version"]] * 2
     assert m["staleness"] == 0 and len(m["rollout_versions"]) == 1
     assert d.last_sync["bytes"] == sum(p.numel() * p.element_size() for p in _policy_fn()().state_dict().values())
-
-
-def test_killed_rollout_worker_is_restarted_and_requeued(topo):
-    """ray.kill a worker mid-rollout: it restarts, gets the current weights, its prompts run again."""
-    import ray
-
-    d = _driver(topo, requests_per_worker=2)
-    d.step()  # warm: weights synced, programs compiled
-    victim = topo.workers[0]
-    old_pid = ray.get(victim.status.remote())["pid"]
-    killed = {}
-
-    def kill_mid_rollout(driver, step):
-        if killed:
-            return
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if ray.get(victim.status.remote())["generating"] is not None:
-                break
-            time.sleep(0.005)
-        ray.kill(victim, no_restart=False)
-        killed["step"] = step
-
-    d.on_rollouts_queued = kill_mid_rollout
-    from torchtpu_rl.driver import PromptDataset
-
-    expected = [p for _, p, _ in PromptDataset(rl_common.make_items(ANSWER_LEN), seed=0).take(8)[4:8]]
-    m = d.step()
-    assert killed
-    kinds = [e["event"] for e in d.events]
-    assert "worker_died" in kinds and "worker_restarted" in kinds and "worker_resynced" in kinds
-    new = ray.get(topo.workers[0].status.remote())
-    assert new["pid"] != old_pid and new["version"] == m["policy_version"]
-    # nothing lost: the whole step's batch (4 prompts x 4 samples) was trained on, every
-    # trajectory of one (the same) policy version
-    assert m["samples"] == 16 and m["rollout_versions"] == [m["policy_version"] - 1] and m["faults"] >= 1
-    assert d.last_batch.prompts() == [p for p in expected for _ in range(4)]
-    assert d.last_batch.policy_version.tolist() == [m["policy_version"] - 1] * 16
-    learner_sums, worker_sums = _all_checksums(topo)
-    assert all(s == learner_sums for s in worker_sums)
 
 
 def test_reward_errors_name_the_sample(topo):
