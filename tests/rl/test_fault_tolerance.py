@@ -124,13 +124,17 @@ def test_chaos_run_matches_undisturbed(topo, tmp_path):
 
     kinds = [e["event"] for e in d.events]
     assert sorted(killed) == ["learner", "reward", "sync", "worker"]
-    assert {"worker_died", "worker_resynced", "sync_failed", "learner_died", "learner_restored",
+    assert {"worker_resynced", "sync_failed", "learner_died", "learner_restored",
             "first_step_after_recovery"} <= set(kinds), kinds
     assert ray.get(topo.reward_actor.status.remote())["pid"] != pids["reward"]
     assert ray.get(topo.workers[0].status.remote())["pid"] != pids["worker"]
-    assert any(e["event"] == "worker_died" and e["worker"] == 0 and e["step"] == kill_worker_at - 1
-               for e in d.events)
-    assert hist[kill_worker_at - 1]["faults"] >= 1
+    # worker 0's death was noticed mid-rollout (its requests re-queued), or, when its requests had
+    # finished before the kill landed, at the next sync
+    mid_rollout = [e for e in d.events if e["event"] == "worker_died" and e["worker"] == 0]
+    in_sync = [e for e in d.events if e["event"] == "sync_failed" and e["members"].get("0") == "died"]
+    assert mid_rollout or in_sync, d.events
+    if mid_rollout:
+        assert mid_rollout[0]["step"] == kill_worker_at - 1 and hist[kill_worker_at - 1]["faults"] >= 1
     # noticed in seconds: the broken sync ended long before the group's 120 s timeout
     assert all(e["seconds"] < 60 for e in d.events if e["event"] == "sync_failed")
     restored = next(e for e in d.events if e["event"] == "learner_restored")
@@ -151,7 +155,8 @@ def test_chaos_run_matches_undisturbed(topo, tmp_path):
     assert all(s == learner_sums for s in ray.get([w.checksums.remote() for w in topo.workers]))
     print(f"final reward: undisturbed {ref_seen[STEPS]['reward']:.4f}, chaos {seen[STEPS]['reward']:.4f}; "
           f"killed worker@{kill_worker_at} sync@{kill_sync_at} reward@{kill_reward_at} learner@{kill_learner_at}; "
-          f"recovery {next(e['seconds'] for e in d.events if e['event'] == 'first_step_after_recovery'):.1f} s")
+          f"recovery {next(e['seconds'] for e in d.events if e['event'] == 'first_step_after_recovery'):.1f} s; "
+          f"worker 0 noticed {'mid-rollout' if mid_rollout else 'in the next sync'}")
 
 
 def test_learner_death_without_checkpoint_is_a_clear_error(topo):
