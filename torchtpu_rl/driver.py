@@ -501,7 +501,7 @@ class RLDriver:
         state = self.load_checkpoint(self.last_checkpoint)
         self._recovery = {"t0": t0}
         self.events.append({"event": "learner_restored", "step": self.step_idx, "died_at_step": died_at,
-                            "version": self.learner_version, "pid": status["pid"], "checkpoint": self.last_checkpoint,
+                            "version": self._learner_version(), "pid": status["pid"], "checkpoint": self.last_checkpoint,
                             "seconds": time.perf_counter() - t0})
         if self.on_learner_restored is not None:
             self.on_learner_restored(self, int(state["step"]))

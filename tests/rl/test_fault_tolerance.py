@@ -160,16 +160,21 @@ def test_chaos_run_matches_undisturbed(topo, tmp_path):
 
 
 def test_learner_death_without_checkpoint_is_a_clear_error(topo):
+    """A learner that died for good, and no checkpoint to restart one from: an error that says
+    so (a second learner actor, killed at once, plays the dead one: the topology's learner is left
+alone)."""
+    import dataclasses
+
     import ray
 
-    from torchtpu_rl.workers import wait_for_actor
+    from torchtpu_rl.workers import LearnerWorker
 
-    d = _driver(topo)
-    d.step()
-    d.on_rollouts_queued = lambda driver, step: ray.kill(topo.learner, no_restart=False)
-    with pytest.raises(RuntimeError, match="learner died at step 2 and there is no checkpoint"):
+    args, kwargs = topo.learner_args
+    dead = ray.remote(LearnerWorker).options(num_cpus=0, max_restarts=0).remote(*args, **kwargs)
+    ray.kill(dead, no_restart=True)
+    d = _driver(dataclasses.replace(topo, learner=dead))
+    with pytest.raises(RuntimeError, match="learner died at step 0 and there is no checkpoint"):
         d.step()
-    wait_for_actor(topo.learner)  # restarted by Ray (at its initial weights) for the next test
 
 
 def test_learner_killed_in_an_async_object_store_run(topo, tmp_path):
@@ -185,7 +190,7 @@ def test_learner_killed_in_an_async_object_store_run(topo, tmp_path):
     killed = []
 
     def queued(driver, step):
-        if step == 2 and not killed:  # step 3's rollouts are queued ahead while step 2 trains
+        if step == 3 and not killed:  # step 4's rollouts are queued ahead while step 3 trains
             ray.kill(topo.learner, no_restart=False)
             killed.append(step)
 
@@ -193,7 +198,8 @@ def test_learner_killed_in_an_async_object_store_run(topo, tmp_path):
     seen = {}
     hist = d.run(4, progress=False, on_step=_record(d, seen))
     restored = [e for e in d.events if e["event"] == "learner_restored"]
-    assert killed and len(restored) == 1 and restored[0]["step"] == 2, d.events
+    assert killed and len(restored) == 1, d.events
+    assert restored[0]["died_at_step"] == 3 and restored[0]["step"] == 2 and restored[0]["version"] == 2
     assert [h["step"] for h in hist] == [1, 2, 3, 4] and d.step_idx == 4
     expected = [p for _, p, _ in PromptDataset(rl_common.make_items(ANSWER_LEN), seed=0).take(16)]
     trained = [p for s in sorted(seen) for p in seen[s]["prompts"][::4]]
