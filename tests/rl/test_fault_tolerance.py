@@ -186,6 +186,7 @@ def test_learner_killed_in_an_async_object_store_run(topo, tmp_path):
 
     from torchtpu_rl.driver import PromptDataset
 
+    v0 = ray.get(topo.learner.version.remote())  # (the topology's learner trained in earlier tests)
     d = _driver(topo, mode="async", max_staleness=1, checkpoint_dir=str(tmp_path), checkpoint_every=2)
     killed = []
 
@@ -199,7 +200,7 @@ def test_learner_killed_in_an_async_object_store_run(topo, tmp_path):
     hist = d.run(4, progress=False, on_step=_record(d, seen))
     restored = [e for e in d.events if e["event"] == "learner_restored"]
     assert killed and len(restored) == 1, d.events
-    assert restored[0]["died_at_step"] == 3 and restored[0]["step"] == 2 and restored[0]["version"] == 2
+    assert restored[0]["died_at_step"] == 3 and restored[0]["step"] == 2 and restored[0]["version"] == v0 + 2
     assert [h["step"] for h in hist] == [1, 2, 3, 4] and d.step_idx == 4
     expected = [p for _, p, _ in PromptDataset(rl_common.make_items(ANSWER_LEN), seed=0).take(16)]
     trained = [p for s in sorted(seen) for p in seen[s]["prompts"][::4]]
