@@ -102,6 +102,7 @@ __all__ = [
     "WeightReceiver",
     "WeightSender",
     "WeightUpdate",
+    "check_sync_dtype",
     "host_bytes",
     "install_state_dict",
     "plan_buckets",
@@ -210,7 +211,8 @@ def _check_bucket_bytes(bucket_bytes) -> None:
         raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes!r}")
 
 
-def _check_sync_dtype(sync_dtype):
+def check_sync_dtype(sync_dtype):
+    """``sync_dtype`` (a dtype, its name, or None) checked against :data:`SYNC_DTYPES`; returns the dtype."""
     if isinstance(sync_dtype, str):
         sync_dtype = getattr(torch, sync_dtype, sync_dtype)
     if sync_dtype not in SYNC_DTYPES:
@@ -225,7 +227,7 @@ def plan_buckets(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int = DEF
     (``whole_tensors``: cut only between tensors; a tensor larger than ``bucket_bytes`` is a bucket
     of its own). ``sync_dtype`` (bfloat16): float32 tensors travel as that dtype."""
     _check_bucket_bytes(bucket_bytes)
-    sync_dtype = _check_sync_dtype(sync_dtype)
+    sync_dtype = check_sync_dtype(sync_dtype)
     slots, starts, off = [], [0], 0
     for name, t in state_dict.items():
         if not isinstance(t, torch.Tensor):
@@ -328,7 +330,7 @@ class WeightSender:
     def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, sync_dtype: Optional[torch.dtype] = None):
         _check_bucket_bytes(bucket_bytes)
         self.bucket_bytes = bucket_bytes
-        self.sync_dtype = _check_sync_dtype(sync_dtype)
+        self.sync_dtype = check_sync_dtype(sync_dtype)
         self._plan = None
         self._plan_key = None
         self._send_bufs: list = []

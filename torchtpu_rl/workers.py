@@ -467,7 +467,7 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
         raise RuntimeError("make_topology: connect to Ray first (driver.connect_ray())")
     if not isinstance(num_rollout_workers, int) or num_rollout_workers < 1:
         raise ValueError(f"num_rollout_workers must be a positive int, got {num_rollout_workers!r}")
-    ws._check_sync_dtype(sync_dtype)
+    ws.check_sync_dtype(sync_dtype)
     base = {"num_cpus": 0, "runtime_env": {"env_vars": _actor_env()}, **(actor_options or {})}
     lopts = {**base, "max_restarts": max_restarts}
     largs = ((policy_fn,), {"algo": algo, "learner_kwargs": learner_kwargs, "seed": seed,
