@@ -17,7 +17,16 @@ does), for each transport:
 
 GB/s = state-dict bytes / sync seconds, compared with this host's memcpy
 bandwidth measured in the same run (``numpy.copyto`` of the same number of bytes
-into a preallocated buffer, best of 5). The goal is >= 50% of memcpy.
+into a preallocated buffer, best of 5). The goal is >= 50% of memcpy. Each row
+also gives the four phases (median seconds): ``pack`` and ``publish`` on the
+sender, ``fetch`` and ``install`` on the receiver (the install is
+``weight_sync.install_state_dict`` into the receiver's model: a buffer swap per
+tensor), and ``bf16`` rows (``--sync-dtypes float32,bfloat16``) send float32
+weights as bfloat16 and report the cast's relative error.
+
+The object store is sized to 2.5x the largest state dict; at 2 GB that is 5 GB of
+shared memory beside the sender's and receiver's 2 GB each, which may not fit a
+24 GB host running other jobs: ``--sizes`` picks what to measure.
 
 Part 2, async vs sync: the GRPO digit-completion run of examples/rlhf_grpo.py
 (learner actor + 1 rollout worker) timed per step in ``mode="sync"`` and
@@ -26,6 +35,7 @@ trains), in alternating blocks, each after ``--warmup`` untimed steps.
 
     python benchmarks/bench_weight_sync.py --out runs/bench_weight_sync.json
     python benchmarks/bench_weight_sync.py --quick      # up to 50 MB, fewer steps (< 60 s once compiled)
+    python benchmarks/bench_weight_sync.py --sizes 100,500,2000 --sync-dtypes float32,bfloat16 --skip-async
 """
 
 from __future__ import annotations
@@ -59,7 +69,7 @@ def layer_shapes(total_bytes: int) -> list:
 
 
 class Sender:
-    def __init__(self, shapes, bucket_bytes):
+    def __init__(self, shapes, bucket_bytes, sync_dtype=None):
         import torch
 
         import torchtpu  # noqa: F401
@@ -67,7 +77,7 @@ class Sender:
 
         g = torch.Generator().manual_seed(0)
         self.sd = {f"t{i}": torch.randn(s, generator=g).to("tpu") for i, s in enumerate(shapes)}
-        self.sender = ws.WeightSender(bucket_bytes)
+        self.sender = ws.WeightSender(bucket_bytes, sync_dtype=getattr(torch, sync_dtype) if sync_dtype else None)
         self.version = 0
 
     def nbytes(self):
@@ -105,9 +115,9 @@ class Sender:
 
 
 class Receiver:
-    """Receives into tpu tensors, then installs them into its own "model" (tpu tensors of the
-    same shapes) with ``copy_`` under no_grad, as ``RolloutEngine.load_state_dict`` does: the
-    install is part of the measured sync."""
+    """Receives into tpu tensors, then installs them into its own model (tpu parameters of the
+    same shapes) with ``weight_sync.install_state_dict``, as ``RolloutEngine.load_state_dict``
+    does: the install is part of the measured sync."""
 
     def __init__(self, shapes):
         import torch
@@ -116,24 +126,23 @@ class Receiver:
         from torchtpu_rl import weight_sync as ws
 
         self.receiver = ws.WeightReceiver("tpu")
-        self.model = {f"t{i}": torch.zeros(s, device="tpu") for i, s in enumerate(shapes)}
-        self.tensors = None
+        self.model = torch.nn.Module()
+        for i, s in enumerate(shapes):
+            self.model.register_parameter(f"t{i}", torch.nn.Parameter(torch.zeros(s, device="tpu"),
+                                                                      requires_grad=False))
 
     def _install(self, tensors):
-        import torch
-
         import torchtpu
+        from torchtpu_rl import weight_sync as ws
 
         t0 = time.perf_counter()
-        with torch.no_grad():
-            for k, v in tensors.items():
-                self.model[k].copy_(v)
+        how = ws.install_state_dict(self.model, tensors)
         torchtpu.synchronize()
-        return time.perf_counter() - t0
+        return {"install_s": time.perf_counter() - t0, **{f"install_{k}": v for k, v in how.items()}}
 
     def update(self, u):
         tensors = self.receiver.receive(u)
-        return {**self.receiver.last_timings, "install_copy_s": self._install(tensors)}
+        return {**self.receiver.last_timings, **self._install(tensors)}
 
     def setup(self, init, world, rank, backend):
         from torchtpu_rl import weight_sync as ws
@@ -146,12 +155,20 @@ class Receiver:
 
     def recv(self):
         _, tensors = self.receiver.receive_broadcast()
-        return {**self.receiver.last_timings, "install_copy_s": self._install(tensors)}
+        return {**self.receiver.last_timings, **self._install(tensors)}
 
     def checksums(self):
         from torchtpu_rl import weight_sync as ws
 
-        return ws.tensor_checksums(self.model)
+        return ws.tensor_checksums(self.model.state_dict())
+
+    def cast_checksums(self):
+        """What a bfloat16 sync must give: the receiver's weights, cast to bfloat16 and back."""
+        import torch
+
+        from torchtpu_rl import weight_sync as ws
+
+        return ws.tensor_checksums({k: v.to(torch.bfloat16).float() for k, v in self.model.state_dict().items()})
 
 
 def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
@@ -168,7 +185,7 @@ def _timed(fn):
     return time.perf_counter() - t0
 
 
-def bench_sync(sizes_mb, transports, repeats, bucket_mb):
+def bench_sync(sizes_mb, transports, repeats, bucket_mb, sync_dtypes=("float32",)):
     import ray
 
     S = ray.remote(Sender).options(num_cpus=0)
@@ -176,46 +193,63 @@ def bench_sync(sizes_mb, transports, repeats, bucket_mb):
     rows = []
     for size in sizes_mb:
         shapes = layer_shapes(size * MB)
-        s, r = S.remote(shapes, bucket_mb * MB), R.remote(shapes)
-        nbytes = ray.get(s.nbytes.remote())
-        ray.get(r.__ray_ready__.remote())
-        memcpy = memcpy_gbps(nbytes)
-        for tr in transports:
-            if tr.startswith("collective"):
-                backend = tr.split("/")[1]
-                init = ray.get(s.port.remote())
-                ray.get([s.setup.remote(init, 2, backend), r.setup.remote(init, 2, 1, backend)])
-
-                def one():
-                    return ray.get([s.broadcast.remote(), r.recv.remote()])[1]
-            else:
-                def one():
-                    return ray.get(r.update.remote(ray.get(s.publish.remote())))
-            one()  # warm-up (allocations, jit of the device pack/unpack)
-            ok = ray.get(s.checksums.remote()) == ray.get(r.checksums.remote())
-            times, phases = [], []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                recv_t = one()
-                times.append(time.perf_counter() - t0)
-                phases.append({**ray.get(s.timings.remote()), **recv_t})
-            if tr.startswith("collective"):
-                ray.get([s.teardown.remote(), r.teardown.remote()])
-            med = statistics.median(times)
-            row = {"size_mb": nbytes / MB, "transport": tr, "median_s": med, "min_s": min(times),
-                   "gbps": nbytes / med / 1e9, "gbps_best": nbytes / min(times) / 1e9, "memcpy_gbps": memcpy,
-                   "ratio_vs_memcpy": nbytes / med / 1e9 / memcpy, "checksums_equal": ok,
-                   "tensors": len(shapes), "repeats_s": times,
-                   # where the time goes (median over repeats): sender side and receiver side
-                   "phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]
-                                if k.endswith("_s")}}
-            rows.append(row)
-            print(f"{nbytes / MB:8.1f} MB  {tr:18s} {med * 1e3:9.1f} ms  {row['gbps']:6.2f} GB/s  "
-                  f"memcpy {memcpy:6.2f} GB/s  ratio {row['ratio_vs_memcpy']:5.2f}  checksums {'ok' if ok else 'BAD'}  "
-                  + " ".join(f"{k} {v * 1e3:.0f}ms" for k, v in row["phases_s"].items()), flush=True)
-        for a in (s, r):
-            ray.kill(a)
+        memcpy = None
+        for sync_dtype in sync_dtypes:
+            s = S.remote(shapes, bucket_mb * MB, None if sync_dtype == "float32" else sync_dtype)
+            r = R.remote(shapes)
+            nbytes = ray.get(s.nbytes.remote())
+            ray.get(r.__ray_ready__.remote())
+            if memcpy is None:
+                memcpy = memcpy_gbps(nbytes)
+            for tr in transports:
+                rows.append(_bench_one(s, r, tr, sync_dtype, nbytes, memcpy, repeats, len(shapes)))
+            for a in (s, r):
+                ray.kill(a)
     return rows
+
+
+def _bench_one(s, r, tr, sync_dtype, nbytes, memcpy, repeats, n_tensors):
+    import ray
+
+    if tr.startswith("collective"):
+        backend = tr.split("/")[1]
+        init = ray.get(s.port.remote())
+        ray.get([s.setup.remote(init, 2, backend), r.setup.remote(init, 2, 1, backend)])
+
+        def one():
+            return ray.get([s.broadcast.remote(), r.recv.remote()])[1]
+    else:
+        def one():
+            return ray.get(r.update.remote(ray.get(s.publish.remote())))
+    for _ in range(2):  # warm-up: allocations, the store's pre-fault, jit of the device pack/unpack and casts
+        one()
+    want = ray.get(s.checksums.remote()) if sync_dtype == "float32" else ray.get(r.cast_checksums.remote())
+    ok = want == ray.get(r.checksums.remote())
+    times, phases = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        recv_t = one()
+        times.append(time.perf_counter() - t0)
+        phases.append({**ray.get(s.timings.remote()), **recv_t})
+    if tr.startswith("collective"):
+        ray.get([s.teardown.remote(), r.teardown.remote()])
+    med = statistics.median(times)
+    name = tr if sync_dtype == "float32" else f"{tr}+{sync_dtype}"
+    row = {"size_mb": nbytes / MB, "transport": name, "sync_dtype": sync_dtype, "median_s": med,
+           "min_s": min(times), "gbps": nbytes / med / 1e9, "gbps_best": nbytes / min(times) / 1e9,
+           "memcpy_gbps": memcpy, "ratio_vs_memcpy": nbytes / med / 1e9 / memcpy, "checksums_equal": ok,
+           "tensors": n_tensors, "repeats_s": times,
+           # where the time goes (median over repeats): pack, publish (sender), fetch, install (receiver)
+           "phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0] if k.endswith("_s")},
+           "installed": {k: phases[-1][k] for k in ("install_swapped", "install_copied") if k in phases[-1]}}
+    if "cast_rel_error" in phases[-1]:
+        row["cast_rel_error"] = phases[-1]["cast_rel_error"]
+        row["cast_max_abs_error"] = phases[-1]["cast_max_abs_error"]
+    err = f"  cast rel.err {row['cast_rel_error']:.1e}" if "cast_rel_error" in row else ""
+    print(f"{nbytes / MB:8.1f} MB  {name:27s} {med * 1e3:9.1f} ms  {row['gbps']:6.2f} GB/s  "
+          f"memcpy {memcpy:6.2f} GB/s  ratio {row['ratio_vs_memcpy']:5.2f}  checksums {'ok' if ok else 'BAD'}  "
+          + " ".join(f"{k} {v * 1e3:.0f}ms" for k, v in row["phases_s"].items()) + err, flush=True)
+    return row
 
 
 def bench_async(steps, warmup):
@@ -262,7 +296,8 @@ def bench_async(steps, warmup):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="sizes up to 50 MB, fewer repeats and steps")
-    p.add_argument("--sizes", default=None, help="comma-separated MB (default 10,50,100,250,500; quick 10,50)")
+    p.add_argument("--sizes", default=None, help="comma-separated MB (default 100,500,2000; quick 10,50)")
+    p.add_argument("--sync-dtypes", default="float32", help="comma-separated: float32 (as is), bfloat16")
     p.add_argument("--transports", default="object_store,collective/tpu,collective/tpu-device,collective/gloo")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--bucket-mb", type=int, default=32)
@@ -273,7 +308,7 @@ def main():
     p.add_argument("--threads", type=int, default=THREADS)
     p.add_argument("--out", default="runs/bench_weight_sync.json")
     args = p.parse_args()
-    sizes = [int(x) for x in (args.sizes or ("10,50" if args.quick else "10,50,100,250,500")).split(",")]
+    sizes = [int(x) for x in (args.sizes or ("10,50" if args.quick else "100,500,2000")).split(",")]
     repeats = args.repeats or (3 if args.quick else 5)
     steps = args.steps or (4 if args.quick else 10)
     store = int(max(sizes) * MB * 2.5) + 100 * MB
@@ -287,11 +322,12 @@ def main():
         env = common.environment(args.threads)
         print(f"weight sync: sizes {sizes} MB, bucket {args.bucket_mb} MB, {repeats} repeats; "
               f"object store {store // MB} MB; load {env['loadavg_1min']:.1f}", flush=True)
-        rows = [] if args.skip_sync_bench else bench_sync(sizes, args.transports.split(","), repeats, args.bucket_mb)
+        rows = [] if args.skip_sync_bench else bench_sync(sizes, args.transports.split(","), repeats, args.bucket_mb,
+                                                                tuple(args.sync_dtypes.split(",")))
         asyn = None if args.skip_async else bench_async(steps, warmup=args.warmup)
         assert head is None or ray.is_initialized()
     summary = {}
-    for tr in args.transports.split(","):
+    for tr in dict.fromkeys(r["transport"] for r in rows):
         rs = [r for r in rows if r["transport"] == tr]
         if rs:
             summary[tr] = {"best_ratio_vs_memcpy": max(r["ratio_vs_memcpy"] for r in rs),

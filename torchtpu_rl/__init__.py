@@ -41,9 +41,11 @@ from . import checkpoint, driver, weight_sync, workers  # noqa: E402  (import ra
 from .driver import PromptDataset, RewardError, RLDriver, ray_session  # noqa: E402
 from .weight_sync import (  # noqa: E402
     BucketPlan,
+    SyncAborted,
     WeightReceiver,
     WeightSender,
     WeightUpdate,
+    install_state_dict,
     plan_buckets,
     tensor_checksums,
 )
@@ -61,12 +63,14 @@ __all__ = [
     "RewardError",
     "RewardModelActor",
     "RolloutWorker",
+    "SyncAborted",
     "Topology",
     "WeightReceiver",
     "WeightSender",
     "WeightUpdate",
     "checkpoint",
     "driver",
+    "install_state_dict",
     "make_topology",
     "plan_buckets",
     "ray_session",

@@ -472,21 +472,26 @@ class RolloutEngine:
         """Free the KV caches (they are rebuilt on the next generate)."""
         self._caches.clear()
 
-    def load_state_dict(self, state_dict, strict: bool = True):
-        """Copy weights into the model in place (compiled decode steps stay valid)."""
-        with torch.no_grad():
-            return self.model.load_state_dict(state_dict, strict=strict)
+    def load_state_dict(self, state_dict, strict: bool = True) -> dict:
+        """Install weights into the model in place: a tpu tensor that is its own storage takes the
+        new tensor's buffer (a swap, no copy), anything else is copied into; the model's tensor
+        objects stay, so compiled decode steps stay valid
+        (:func:`~torchtpu_rl.weight_sync.install_state_dict`). Returns ``{"swapped", "copied"}``."""
+        from .weight_sync import install_state_dict
 
-    def update_weights(self, state_dict, policy_version: Optional[int] = None) -> None:
+        return install_state_dict(self.model, state_dict, strict=strict)
+
+    def update_weights(self, state_dict, policy_version: Optional[int] = None) -> dict:
         """pause -> drop the KV cache -> load weights -> set the version -> resume."""
         self.pause()
         try:
             self.drop_cache()
-            self.load_state_dict(state_dict)
+            out = self.load_state_dict(state_dict)
             if policy_version is not None:
                 self.policy_version = int(policy_version)
         finally:
             self.resume()
+        return out
 
     # ------------------------------------------------------------ generation
     def _check_prompts(self, prompts):

@@ -103,10 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", choices=("sync", "async"), default="sync")
     g.add_argument("--max-staleness", type=int, default=1, help="async: trajectories at most this many versions old")
     g.add_argument("--transport", choices=("object_store", "collective"), default="object_store")
+    g.add_argument("--sync-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="bfloat16: float32 weights travel to the rollout workers as bfloat16 (half the bytes)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("outputs")
     g.add_argument("--out", default="runs/rl_train")
-    g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
+    g.add_argument("--save-every", type=int, default=0,
+                   help="checkpoint every N steps (0: every --save-interval-s; always at the end); a learner "
+                        "that dies is restarted from the latest")
+    g.add_argument("--save-interval-s", type=float, default=600.0,
+                   help="with --save-every 0: checkpoint when this many seconds passed since the last one")
     g.add_argument("--eval-data", help="held-out prompts (.jsonl/.parquet), greedy-decoded and scored")
     g.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (always before and at the end)")
     g.add_argument("--eval-limit", type=int, help="use the first N eval prompts")
@@ -342,6 +348,11 @@ class _Outputs:
         self.tb.flush()
         return row
 
+    def drop_after(self, step: int) -> None:
+        """Forget the rows of steps after ``step`` (redone after a learner restart)."""
+        for path in (self.metrics_path, self.eval_path):
+            self._truncate(path, step)
+
     def close(self):
         self.tb.close()
 
@@ -456,7 +467,7 @@ def _setup(args) -> dict:
 def _save(driver, topo, args, fingerprint, out_ckpts: str) -> str:
     d = os.path.join(out_ckpts, f"step_{driver.step_idx}")
     os.makedirs(d, exist_ok=True)
-    driver.save_checkpoint(os.path.join(d, "state.pt"))
+    driver.save_checkpoint(os.path.join(d, "state.pt"))  # also the driver's last_checkpoint (learner restarts)
     meta = {"format": RUN_FORMAT, "step": driver.step_idx, "policy_version": driver.learner_version,
             "algo": args.algo, "model": os.path.abspath(args.model), "model_fingerprint": fingerprint,
             "dtype": args.dtype, "seed": args.seed, "data": os.path.abspath(args.data),
@@ -494,7 +505,7 @@ def main(argv=None) -> dict:
         ray_address = ray.get_runtime_context().gcs_address
         topo = make_topology(policy_fn, tokenizer.pad_token_id, num_rollout_workers=args.rollout_workers,
                              algo=args.algo, learner_kwargs=s["learner_kwargs"], engine_kwargs=s["engine_kwargs"],
-                             seed=args.seed,
+                             seed=args.seed, sync_dtype=None if args.sync_dtype == "float32" else args.sync_dtype,
                              reward_model_dir=os.path.abspath(args.reward_model) if args.reward_model else None)
         outputs = None
         try:
@@ -517,7 +528,14 @@ def main(argv=None) -> dict:
                       flush=True)
             outputs = _Outputs(args.out, resume_step)
             ckpts = os.path.join(args.out, "checkpoints")
-            last = {"eval": None, "save": None}
+            last = {"eval": None, "save": None, "save_t": time.monotonic()}
+            if resume_step is None:  # a learner that dies before the first periodic checkpoint restarts here
+                _save(driver, topo, args, s["fingerprint"], ckpts)
+
+            def learner_restored(drv, step):  # steps after the checkpoint are redone: drop their rows
+                outputs.drop_after(step)
+                history[:] = [h for h in history if h["step"] <= step]
+                last["save"] = step
 
             def evaluate():
                 if s["eval_set"] is None:
@@ -534,9 +552,12 @@ def main(argv=None) -> dict:
                 history.append(outputs.step(m, driver.last_sync))
                 if args.eval_every and driver.step_idx % args.eval_every == 0:
                     evaluate()
-                if args.save_every and driver.step_idx % args.save_every == 0:
+                if (driver.step_idx % args.save_every == 0 if args.save_every
+                        else time.monotonic() - last["save_t"] >= args.save_interval_s):
                     _save(driver, topo, args, s["fingerprint"], ckpts)
-                    last["save"] = driver.step_idx
+                    last["save"], last["save_t"] = driver.step_idx, time.monotonic()
+
+            driver.on_learner_restored = learner_restored
 
             remaining = max(0, args.steps - driver.step_idx)
             t_train = time.perf_counter()

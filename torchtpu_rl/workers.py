@@ -15,9 +15,12 @@ weights and version, and releases the lock (resume). One lock covers the version
 read and the generation, so a trajectory is always tagged with the version of
 the weights that produced it.
 
-Workers are created with ``max_restarts``: a killed worker comes back (with
+Every actor is created with ``max_restarts``: a killed worker comes back (with
 fresh initial weights and version -1); the driver re-syncs it before giving it
-work again and re-queues what it was generating.
+work again and re-queues what it was generating. A restarted learner comes back
+at its initial weights; the driver loads its last checkpoint into it
+(:class:`~torchtpu_rl.driver.RLDriver`, "Faults" in docs/rl.md). A restarted
+reward actor is simply called again.
 """
 
 from __future__ import annotations
@@ -141,23 +144,29 @@ class RolloutWorker:
                              time.perf_counter() - t0, batch.num_response_tokens)
 
     # ------------------------------------------------------------ weight updates
-    def _install(self, version: int, tensors: dict, seq: Optional[int]) -> float:
-        """pause -> drop the KV cache -> load -> set version -> resume; returns seconds paused."""
+    def _install(self, version: int, tensors: dict, seq: Optional[int]) -> dict:
+        """pause -> drop the KV cache -> install -> set version -> resume; returns the install's
+        figures (seconds paused, tensors swapped / copied)."""
         with self._in_order(seq):  # waits for an in-flight generate to finish
             t0 = time.perf_counter()
-            self.engine.update_weights(tensors, policy_version=version)
+            how = self.engine.update_weights(tensors, policy_version=version)
             self.version = int(version)
             self.counts["updates"] += 1
-            return time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            return {"paused_s": dt, "install_s": dt, **{f"install_{k}": v for k, v in how.items()}}
 
     def update_weights(self, update: ws.WeightUpdate, seq: Optional[int] = None) -> dict:
         """Install an object-store update (the one control call of a sync)."""
         t0 = time.perf_counter()
-        update.plan.check_matches(self.engine.model.state_dict(), who=f"rollout worker {self.worker_index}")
-        tensors = self.receiver.receive(update)  # fetched outside the pause
-        paused = self._install(update.version, tensors, seq)
+        try:
+            update.plan.check_matches(self.engine.model.state_dict(), who=f"rollout worker {self.worker_index}")
+            tensors = self.receiver.receive(update)  # fetched outside the pause
+        except BaseException:
+            self._skip_turn(seq)
+            raise
+        installed = self._install(update.version, tensors, seq)
         return {"worker": self.worker_index, "version": self.version, "seconds": time.perf_counter() - t0,
-                "paused_s": paused, **self.receiver.last_timings}
+                **installed, **self.receiver.last_timings}
 
     def collective_setup(self, init_method: str, world_size: int, rank: int, backend: str) -> int:
         if self.receiver.group is not None:
@@ -173,11 +182,24 @@ class RolloutWorker:
     def receive_weights(self, seq: Optional[int] = None) -> dict:
         """Take part in the learner's broadcast (the one control call of a collective sync)."""
         t0 = time.perf_counter()
-        update, tensors = self.receiver.receive_broadcast()
-        update.plan.check_matches(self.engine.model.state_dict(), who=f"rollout worker {self.worker_index}")
-        paused = self._install(update.version, tensors, seq)
+        try:
+            if self.receiver.group is None:  # e.g. a restarted process the group was not rebuilt for yet
+                raise ws.SyncAborted(f"rollout worker {self.worker_index} is not in the weight-sync group")
+            update, tensors = self.receiver.receive_broadcast()
+            update.plan.check_matches(self.engine.model.state_dict(), who=f"rollout worker {self.worker_index}")
+        except BaseException:
+            self._skip_turn(seq)
+            raise
+        installed = self._install(update.version, tensors, seq)
         return {"worker": self.worker_index, "version": self.version, "seconds": time.perf_counter() - t0,
-                "paused_s": paused, **self.receiver.last_timings}
+                **installed, **self.receiver.last_timings}
+
+    def _skip_turn(self, seq: Optional[int]) -> None:
+        """Give up call number ``seq`` (a sync that failed before its install), so that the calls
+        sent after it do not wait for it."""
+        if seq is not None:
+            with self._in_order(seq):
+                pass
 
     # ------------------------------------------------------------ introspection
     def status(self) -> dict:
@@ -195,7 +217,8 @@ class LearnerWorker:
 
     def __init__(self, policy_fn: Callable[[], torch.nn.Module], algo: str = "grpo",
                  learner_kwargs: Optional[dict] = None, seed: int = 0,
-                 bucket_bytes: int = ws.DEFAULT_BUCKET_BYTES, device: str = "tpu"):
+                 bucket_bytes: int = ws.DEFAULT_BUCKET_BYTES, device: str = "tpu",
+                 sync_dtype: Optional[torch.dtype] = None):
         import torchtpu  # noqa: F401
 
         from .learner import Learner
@@ -207,8 +230,9 @@ class LearnerWorker:
         # actor's device when kl_coef > 0: colocated with the policy
         self.learner = Learner(policy, None, algo=algo, device=device, **kw)
         self.policy = policy
-        self.sender = ws.WeightSender(bucket_bytes)
+        self.sender = ws.WeightSender(bucket_bytes, sync_dtype=sync_dtype)
         self.device = device
+        self.started_at = time.time()
 
     @property
     def policy_version(self) -> int:
@@ -216,6 +240,10 @@ class LearnerWorker:
 
     def version(self) -> int:
         return self.policy_version
+
+    def status(self) -> dict:
+        return {"pid": os.getpid(), "version": self.policy_version, "started_at": self.started_at,
+                "group": self.sender.group is not None}
 
     def train_step(self, batch_state: dict, rewards: Sequence[float]) -> dict:
         from .rollout import RolloutBatch
@@ -301,6 +329,9 @@ class RewardModelActor:
             self.model = hf.load_reward_model(model_dir, dtype=dtype, device=device)
             self.tokenizer = hf.load_tokenizer(model_dir)
 
+    def status(self) -> dict:
+        return {"pid": os.getpid()}
+
     def score(self, prompts: list, responses: list, metadata: list) -> list:
         if self.reward_fn is not None:
             return [float(r) for r in self.reward_fn(prompts, responses, metadata)]
@@ -340,9 +371,47 @@ class ActorReward:
         self.__name__ = name
 
     def __call__(self, prompts, completions, **columns):
-        import ray
+        # a reward actor that dies is restarted by Ray (make_topology's max_restarts): call again
+        return call_restartable(self.actor, "score", list(prompts), list(completions), [{}] * len(prompts))
 
-        return ray.get(self.actor.score.remote(list(prompts), list(completions), [{}] * len(prompts)))
+
+def actor_died_errors() -> tuple:
+    """The exceptions Ray raises for a call to an actor that died or is restarting."""
+    import ray.exceptions as rex
+
+    return tuple(getattr(rex, n) for n in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
+                 if hasattr(rex, n))
+
+
+def wait_for_actor(actor, timeout_s: float = 120.0) -> dict:
+    """Block until ``actor`` (restarting after a death) answers ``status()``; returns it. Raises
+    the last actor error when it does not come back within ``timeout_s`` (out of restarts)."""
+    import ray
+    import ray.exceptions as rex
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(actor.status.remote(), timeout=max(1.0, deadline - time.monotonic()))
+        except actor_died_errors() as e:
+            if isinstance(e, getattr(rex, "ActorUnavailableError", ())) and time.monotonic() < deadline:
+                time.sleep(0.1)  # restarting
+                continue
+            raise
+
+
+def call_restartable(actor, method: str, *args, timeout_s: float = 120.0, on_death: Optional[Callable] = None):
+    """``ray.get(actor.<method>.remote(*args))``, called again once the actor is back when it died
+    during the call (for stateless calls: a reward actor's ``score``)."""
+    import ray
+
+    while True:
+        try:
+            return ray.get(getattr(actor, method).remote(*args))
+        except actor_died_errors() as e:
+            if on_death is not None:
+                on_death(e)
+            wait_for_actor(actor, timeout_s)
 
 
 # ------------------------------------------------------------------ topology
@@ -355,6 +424,8 @@ class Topology:
     reward_actor: Any = None
     worker_options: dict = dataclasses.field(default_factory=dict)
     worker_args: tuple = ()  # (policy_fn, pad_id, engine_kwargs): to start a replacement worker
+    learner_options: dict = dataclasses.field(default_factory=dict)
+    learner_args: tuple = ()  # (args, kwargs) of LearnerWorker: to start a replacement learner
     # the next call number per worker (RolloutWorker._in_order); shared by every driver of the topology
     call_seq: list = dataclasses.field(default_factory=list)
 
@@ -382,27 +453,34 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
                   seed: int = 0, bucket_bytes: int = ws.DEFAULT_BUCKET_BYTES,
                   reward_fn: Optional[Callable] = None, reward_model_fn: Optional[Callable] = None,
                   reward_model_dir: Optional[str] = None, reward_in_actor: bool = False, max_restarts: int = 3,
-                  worker_concurrency: int = 4, actor_options: Optional[dict] = None) -> Topology:
+                  worker_concurrency: int = 4, actor_options: Optional[dict] = None,
+                  sync_dtype: Optional[torch.dtype] = None) -> Topology:
     """Start the learner, ``num_rollout_workers`` rollout workers and (optionally) a reward actor
     on the connected Ray cluster. ``actor_options`` go to every ``.options()`` (e.g. a
     ``scheduling_strategy`` from a ray_integration slice reservation). ``reward_model_dir``: a
-    Hugging Face sequence-classification directory for the reward actor."""
+    Hugging Face sequence-classification directory for the reward actor. Every actor is
+    restarted by Ray up to ``max_restarts`` times when it dies. ``sync_dtype=torch.bfloat16``:
+    float32 weights travel to the workers as bfloat16 (weight_sync)."""
     import ray
 
     if not ray.is_initialized():
         raise RuntimeError("make_topology: connect to Ray first (driver.connect_ray())")
     if not isinstance(num_rollout_workers, int) or num_rollout_workers < 1:
         raise ValueError(f"num_rollout_workers must be a positive int, got {num_rollout_workers!r}")
+    ws.check_sync_dtype(sync_dtype)
     base = {"num_cpus": 0, "runtime_env": {"env_vars": _actor_env()}, **(actor_options or {})}
-    learner = ray.remote(LearnerWorker).options(**base).remote(
-        policy_fn, algo=algo, learner_kwargs=learner_kwargs, seed=seed, bucket_bytes=bucket_bytes)
+    lopts = {**base, "max_restarts": max_restarts}
+    largs = ((policy_fn,), {"algo": algo, "learner_kwargs": learner_kwargs, "seed": seed,
+                            "bucket_bytes": bucket_bytes, "sync_dtype": sync_dtype})
+    learner = ray.remote(LearnerWorker).options(**lopts).remote(*largs[0], **largs[1])
     wopts = {**base, "max_restarts": max_restarts, "max_concurrency": worker_concurrency}
     workers = [ray.remote(RolloutWorker).options(**wopts).remote(policy_fn, pad_id, i, engine_kwargs)
                for i in range(num_rollout_workers)]
     reward_actor = None
+    ropts = {**base, "max_restarts": max_restarts}
     if reward_model_dir is not None:
-        reward_actor = ray.remote(RewardModelActor).options(**base).remote(model_dir=os.fspath(reward_model_dir))
+        reward_actor = ray.remote(RewardModelActor).options(**ropts).remote(model_dir=os.fspath(reward_model_dir))
     elif reward_in_actor or reward_model_fn is not None:
-        reward_actor = ray.remote(RewardModelActor).options(**base).remote(
+        reward_actor = ray.remote(RewardModelActor).options(**ropts).remote(
             reward_fn=None if reward_model_fn is not None else reward_fn, model_fn=reward_model_fn, pad_id=pad_id)
-    return Topology(learner, workers, reward_actor, wopts, (policy_fn, pad_id, engine_kwargs))
+    return Topology(learner, workers, reward_actor, wopts, (policy_fn, pad_id, engine_kwargs), lopts, largs)

@@ -1,5 +1,9 @@
 """torchtpu_rl on Ray: weight sync (both transports), faults, checkpoint/resume, the RLHF example.
 
+(The in-process weight-sync tests are in test_weight_sync.py; actor deaths -- a rollout worker
+mid-rollout and during a sync, the reward actor, the learner -- in test_fault_tolerance.py's
+chaos run.)
+
 One learner actor and two rollout-worker actors (a tiny policy, the RLHF example's
 configuration so the XLA cache is shared with the job-submission test) serve every
 test of the module; the Ray head is the session fixture of tests/conftest.py.
@@ -11,79 +15,14 @@ import functools
 import json
 import os
 import sys
-import time
 
-import numpy as np
 import pytest
-import torch
-
-import torchtpu
-from torchtpu_rl import weight_sync as ws
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import rl_common  # noqa: E402
 
 ANSWER_LEN = 4
-
-
-# ------------------------------------------------------------------ weight sync, in process
-def _mixed_state():
-    g = torch.Generator().manual_seed(0)
-    return {
-        "w": torch.randn(37, 19, generator=g),
-        "b16": torch.randn(300, generator=g).to(torch.bfloat16),
-        "idx": torch.arange(1000, dtype=torch.int64).reshape(10, 100),
-        "flag": torch.rand(77, generator=g) > 0.5,
-        "scalar": torch.tensor(3.25),
-        "empty": torch.zeros(0, 4),
-        "big": torch.randn(3000, generator=g),  # spans several 4 KiB buckets
-    }
-
-
-def test_bucket_plan_covers_every_byte_once():
-    sd = _mixed_state()
-    plan = ws.plan_buckets(sd, bucket_bytes=4096)
-    assert plan.num_buckets == -(-plan.total_bytes // 4096) > 3
-    seen = {s.name: np.zeros(s.nbytes, np.int32) for s in plan.slots}
-    for b in range(plan.num_buckets):
-        lo, hi = plan.bucket_range(b)
-        assert hi - lo == (4096 if b < plan.num_buckets - 1 else plan.total_bytes - lo)
-        for i, a, z in plan.segments(b):
-            seen[plan.slots[i].name][a:z] += 1
-            assert lo <= plan.slots[i].offset + a and plan.slots[i].offset + z <= hi
-    assert all((v == 1).all() for v in seen.values())
-    assert all(s.offset % ws.ALIGN == 0 for s in plan.slots)
-    with pytest.raises(ValueError, match="bucket_bytes"):
-        ws.plan_buckets(sd, bucket_bytes=100)
-    with pytest.raises(ValueError, match="'w'"):
-        plan.check_matches({**sd, "w": torch.zeros(3)})
-
-
-@pytest.mark.parametrize("where", ["host", "device"])
-def test_pack_unpack_round_trip(where):
-    """The bytes of every tensor survive the bucket layout: host arena (object store / gloo)
-    and the jitted device pack/unpack of tpu buckets."""
-    sd = {k: v.to("tpu") for k, v in _mixed_state().items()}
-    plan = ws.plan_buckets(sd, bucket_bytes=4096)
-    if where == "host":
-        arena = ws._new_arena(plan.total_bytes)
-        an = arena.numpy()
-        tensors = list(sd.values())
-        for b in range(plan.num_buckets):
-            for i, a, z in plan.segments(b):
-                d = plan.slots[i].offset + a
-                an[d:d + z - a] = ws.host_bytes(tensors[i])[a:z]
-        out = ws._tensors_from_arena(plan, arena, "tpu")
-    else:
-        arrays = [torchtpu.to_jax(t) for t in sd.values()]
-        buckets = []
-        for b in range(plan.num_buckets):
-            idx = sorted({i for i, _, _ in plan.segments(b)})
-            buckets.append(ws._pack_fn(plan, b)(*[arrays[i] for i in idx]))
-        out = {s.name: torchtpu.from_jax(a, s.dtype) for s, a in zip(plan.slots, ws._unpack_fn(plan)(*buckets))}
-    assert ws.tensor_checksums(out) == ws.tensor_checksums(sd)
-    assert all(v.device.type == "tpu" for v in out.values())
 
 
 # ------------------------------------------------------------------ the Ray topology
@@ -149,46 +88,6 @@ def test_weight_sync_checksums(topo, transport, backend):
     assert versions == [m["policy_version"]] * 2
     assert m["staleness"] == 0 and len(m["rollout_versions"]) == 1
     assert d.last_sync["bytes"] == sum(p.numel() * p.element_size() for p in _policy_fn()().state_dict().values())
-
-
-def test_killed_rollout_worker_is_restarted_and_requeued(topo):
-    """ray.kill a worker mid-rollout: it restarts, gets the current weights, its prompts run again."""
-    import ray
-
-    d = _driver(topo, requests_per_worker=2)
-    d.step()  # warm: weights synced, programs compiled
-    victim = topo.workers[0]
-    old_pid = ray.get(victim.status.remote())["pid"]
-    killed = {}
-
-    def kill_mid_rollout(driver, step):
-        if killed:
-            return
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if ray.get(victim.status.remote())["generating"] is not None:
-                break
-            time.sleep(0.005)
-        ray.kill(victim, no_restart=False)
-        killed["step"] = step
-
-    d.on_rollouts_queued = kill_mid_rollout
-    from torchtpu_rl.driver import PromptDataset
-
-    expected = [p for _, p, _ in PromptDataset(rl_common.make_items(ANSWER_LEN), seed=0).take(8)[4:8]]
-    m = d.step()
-    assert killed
-    kinds = [e["event"] for e in d.events]
-    assert "worker_died" in kinds and "worker_restarted" in kinds and "worker_resynced" in kinds
-    new = ray.get(topo.workers[0].status.remote())
-    assert new["pid"] != old_pid and new["version"] == m["policy_version"]
-    # nothing lost: the whole step's batch (4 prompts x 4 samples) was trained on, every
-    # trajectory of one (the same) policy version
-    assert m["samples"] == 16 and m["rollout_versions"] == [m["policy_version"] - 1] and m["faults"] >= 1
-    assert d.last_batch.prompts() == [p for p in expected for _ in range(4)]
-    assert d.last_batch.policy_version.tolist() == [m["policy_version"] - 1] * 16
-    learner_sums, worker_sums = _all_checksums(topo)
-    assert all(s == learner_sums for s in worker_sums)
 
 
 def test_reward_errors_name_the_sample(topo):
