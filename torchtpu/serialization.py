@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from .base import metrics
 from .runtime import device as _device
 from .runtime import storage as _storage
 
@@ -91,14 +92,16 @@ def new_storage(nbytes: int, host_bytes: np.ndarray | None = None) -> torch.Unty
     if host_bytes is None:
         buf = _storage.to_device(np.zeros((nbytes,), np.uint8))
     else:
-        buf = jax.device_put(np.ascontiguousarray(host_bytes, dtype=np.uint8).reshape(-1), _device.jax_device())
+        host_bytes = np.ascontiguousarray(host_bytes, dtype=np.uint8).reshape(-1)
+        metrics.record_host_transfer(host_bytes.nbytes)
+        buf = jax.device_put(host_bytes, _device.jax_device())
     return _storage.new_storage(nbytes, buf, torch.uint8)
 
 
 def host_bytes(s) -> np.ndarray:
     """The bytes of tpu storage ``s`` as a host ``uint8`` array (one device->host transfer)."""
     sd = _tpu_data(s)
-    arr = np.asarray(jax.device_get(sd.buf)).reshape(-1)
+    arr = np.asarray(_storage.to_host(sd.buf)).reshape(-1)
     return np.ascontiguousarray(arr).view(np.uint8)[: sd.nbytes]
 
 
