@@ -1,0 +1,116 @@
+"""JAX's multi-process runtime under ``init_process_group("tpu")``.
+
+The default group's creation (whatever launched the processes: torchrun, torch.multiprocessing,
+Ray actors) also calls ``jax.distributed.initialize`` with the group's rank and size, on a
+coordinator address rank 0 publishes through the group's own store. Every process then sees the
+global device list, and a collective on tpu tensors is one XLA program over the participating
+processes' devices (``xla.py``). On CPU hosts JAX's CPU collectives run over gloo
+(``jax_cpu_collectives_implementation``); on TPU hosts XLA uses ICI/DCN.
+
+JAX must be configured before its backend starts: ``import torchtpu`` leaves it unstarted, so the
+group can still do it. A process that ran JAX work before ``init_process_group`` (a tpu tensor made
+first) cannot join: its group warns and stages collectives through host memory instead (the
+``host`` transport), as does ``TORCHTPU_DIST_TRANSPORT=host``.
+
+``TORCHTPU_JAX_COORDINATOR=host:port`` overrides the coordinator address (default: the store's
+host, or ``MASTER_ADDR``, and a free port of rank 0).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+
+import jax
+from jax._src import xla_bridge
+
+_COORDINATOR_KEY = "torchtpu/jax_coordinator"
+
+_state = {"active": False, "world": None, "rank": None, "address": None, "devices": None}
+
+
+def xla_transport_active() -> bool:
+    """Do collectives on tpu tensors run as XLA programs across the processes (vs host staging)?"""
+    return _state["active"]
+
+
+def rank_devices(global_ranks) -> list:
+    """The JAX device of each of ``global_ranks`` (one per process: its first local device)."""
+    devices = _state["devices"]
+    return [devices[r] for r in global_ranks]
+
+
+def _store_host(store) -> str | None:
+    """The host of the TCPStore under ``store`` (where every rank already reaches rank 0)."""
+    while store is not None:
+        host = getattr(store, "host", None)
+        if host:
+            return host
+        store = getattr(store, "underlying_store", None)
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _coordinator(store, rank: int, timeout_s: float) -> str:
+    """Rank 0 picks the coordinator address and publishes it in the group's store; the others read it."""
+    if os.environ.get("TORCHTPU_JAX_COORDINATOR"):
+        return os.environ["TORCHTPU_JAX_COORDINATOR"]
+    if rank == 0:
+        host = os.environ.get("MASTER_ADDR") or _store_host(store) or "127.0.0.1"
+        if host == "localhost":
+            host = "127.0.0.1"
+        address = f"{host}:{_free_port()}"
+        store.set(_COORDINATOR_KEY, address)
+        return address
+    return store.get(_COORDINATOR_KEY).decode()
+
+
+def start(store, rank: int, world: int, timeout_s: float) -> bool:
+    """Bring up JAX's multi-process runtime for the default group (``rank`` of ``world``).
+
+    Returns whether the XLA transport is on. A start-up failure raises, naming the coordinator."""
+    _state.update(active=False, world=world, rank=rank)
+    if os.environ.get("TORCHTPU_DIST_TRANSPORT", "xla") == "host":
+        return False
+    if world > 1 and not jax.distributed.is_initialized():
+        if xla_bridge.backends_are_initialized():
+            warnings.warn(
+                "torchtpu distributed: JAX already ran work in this process before init_process_group(\"tpu\") "
+                "(a tpu tensor was made first?), so JAX's multi-process runtime cannot start: collectives on tpu "
+                "tensors are staged through host memory. Create the process group before any tpu work for "
+                "XLA collectives.", RuntimeWarning, stacklevel=4)
+            return False
+        address = _coordinator(store, rank, timeout_s)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # a dead peer must not abort the survivors (at exit, or on a missed heartbeat): the group's
+        # collectives raise instead
+        jax.config.update("jax_enable_recoverability", True)
+        try:
+            jax.distributed.initialize(address, world, rank,
+                                       initialization_timeout=max(1, int(timeout_s)))
+        except Exception as e:  # noqa: BLE001 - re-raised with the address
+            raise RuntimeError(
+                f"torchtpu distributed: JAX's multi-process runtime did not start (process {rank} of {world}, "
+                f"coordinator {address}): {e}") from e
+        _state["address"] = address
+    if jax.process_count() != world or jax.process_index() != rank:
+        raise RuntimeError(
+            f"torchtpu distributed: JAX's multi-process runtime has {jax.process_count()} processes (this is "
+            f"process {jax.process_index()}), the process group {world} (this is rank {rank})")
+    first = {}
+    for d in jax.devices():
+        first.setdefault(d.process_index, d)
+    _state["devices"] = [first[r] for r in range(world)]
+    _state["active"] = True
+    return True
+
+
+def coordinator_address() -> str | None:
+    """The address JAX's multi-process runtime was started on (None in one process or host staging)."""
+    return _state["address"]
