@@ -817,6 +817,27 @@ def test_torchrun_four_processes(torchrun_job, name):
         assert checks[name]["ok"], f"{os.path.basename(path)}:\n{checks[name]['error']}"
 
 
+def test_jax_startup_failure_names_coordinator():
+    """init_process_group("tpu") brings up JAX's multi-process runtime; when that cannot start (no
+    coordinator at the address), the error says which address, within the group's timeout."""
+    port = _free_port()  # nothing listens there
+    code = (
+        "import datetime, os\n"
+        "import torch.distributed as dist\n"
+        "import torchtpu\n"
+        "try:\n"
+        "    dist.init_process_group('tpu', store=dist.HashStore(), rank=1, world_size=2,\n"
+        "                            timeout=datetime.timedelta(seconds=2))\n"
+        "except RuntimeError as e:\n"
+        "    print('ERROR:', e)\n")
+    env = dict(os.environ, TORCHTPU_JAX_COORDINATOR=f"127.0.0.1:{port}")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ERROR:" in proc.stdout and f"coordinator 127.0.0.1:{port}" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert time.perf_counter() - t0 < 60
+
+
 def test_registered_backend():
     import torch.distributed as dist
 

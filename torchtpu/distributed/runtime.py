@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import warnings
 
 import jax
@@ -71,6 +72,24 @@ def _coordinator(store, rank: int, timeout_s: float) -> str:
     return store.get(_COORDINATOR_KEY).decode()
 
 
+def _wait_for_coordinator(address: str, rank: int, world: int, timeout_s: float) -> None:
+    """Until the coordinator accepts connections; else a clear error. JAX aborts the whole process when
+    it cannot reach its coordinator, so an unreachable address must be caught before JAX tries."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"torchtpu distributed: JAX's multi-process runtime did not start (process {rank} of {world}, "
+                    f"coordinator {address}): nothing accepted a connection there within {timeout_s:.0f} s "
+                    f"({e})") from e
+            time.sleep(0.1)
+
+
 def start(store, rank: int, world: int, timeout_s: float) -> bool:
     """Bring up JAX's multi-process runtime for the default group (``rank`` of ``world``).
 
@@ -87,6 +106,8 @@ def start(store, rank: int, world: int, timeout_s: float) -> bool:
                 "XLA collectives.", RuntimeWarning, stacklevel=4)
             return False
         address = _coordinator(store, rank, timeout_s)
+        if rank != 0:
+            _wait_for_coordinator(address, rank, world, timeout_s)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         # a dead peer must not abort the survivors (at exit, or on a missed heartbeat): the group's
         # collectives raise instead
