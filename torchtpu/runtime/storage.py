@@ -78,6 +78,9 @@ class StorageData:
         if type(b) is LazyBuf:
             RECORDER.materialize(b, "materialize")
             b = self.raw_buf
+        elif b is None:  # released (storage.resize_(0)) and used again: fresh memory, as an allocation
+            self.buf = _zeros_flat(-(-self.nbytes // self.dtype.itemsize), dtypes.to_jax(self.dtype))
+            b = self.raw_buf
         return b
 
     @buf.setter
@@ -90,6 +93,19 @@ class StorageData:
             self.counted = True
             MEMORY.add(self.nbytes)
             _LIVE.add(self)
+
+    def release(self) -> None:
+        """Drop the device buffer (``storage.resize_(0)``: FSDP2 frees unsharded parameters so between
+        uses). The storage keeps its size; its next use gets a fresh zero buffer."""
+        if self.counted:
+            MEMORY.sub(self.nbytes)
+            self.counted = False
+            _LIVE.discard(self)
+        self.raw_buf = None
+
+    @property
+    def released(self) -> bool:
+        return self.raw_buf is None
 
     def retype(self, dtype: torch.dtype) -> None:
         """Hold the buffer as ``dtype`` elements: the same bytes, reinterpreted."""
