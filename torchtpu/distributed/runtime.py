@@ -18,6 +18,7 @@ host, or ``MASTER_ADDR``, and a free port of rank 0).
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import time
@@ -120,6 +121,7 @@ def start(store, rank: int, world: int, timeout_s: float) -> bool:
                 f"torchtpu distributed: JAX's multi-process runtime did not start (process {rank} of {world}, "
                 f"coordinator {address}): {e}") from e
         _state["address"] = address
+        atexit.register(_leave, store, rank, world, min(timeout_s, 60.0))
     if jax.process_count() != world or jax.process_index() != rank:
         raise RuntimeError(
             f"torchtpu distributed: JAX's multi-process runtime has {jax.process_count()} processes (this is "
@@ -130,6 +132,28 @@ def start(store, rank: int, world: int, timeout_s: float) -> bool:
     _state["devices"] = [first[r] for r in range(world)]
     _state["active"] = True
     return True
+
+
+_EXITED_KEY = "torchtpu/jax_exited"
+
+
+def _leave(store, rank: int, world: int, timeout_s: float) -> None:
+    """At exit: the other processes leave JAX's runtime before rank 0, whose process hosts the
+    coordinator. With recoverability on (a dead peer must not abort the survivors) JAX's own
+    shutdown barrier no longer waits for them, and a process whose coordinator is gone is aborted.
+    The group's store (served from rank 0) counts who has left; a dead peer costs rank 0 the wait."""
+    if not jax.distributed.is_initialized():
+        return
+    try:
+        if rank != 0:
+            jax.distributed.shutdown()
+            store.add(_EXITED_KEY, 1)
+            return
+        deadline = time.monotonic() + timeout_s
+        while store.add(_EXITED_KEY, 0) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store (rank 0) is gone or a peer died: leave anyway
+        pass
 
 
 def coordinator_address() -> str | None:
