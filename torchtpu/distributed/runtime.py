@@ -8,9 +8,10 @@ processes' devices (``xla.py``). On CPU hosts JAX's CPU collectives run over glo
 (``jax_cpu_collectives_implementation``); on TPU hosts XLA uses ICI/DCN.
 
 JAX must be configured before its backend starts: ``import torchtpu`` leaves it unstarted, so the
-group can still do it. A process that ran JAX work before ``init_process_group`` (a tpu tensor made
-first) cannot join: its group warns and stages collectives through host memory instead (the
-``host`` transport), as does ``TORCHTPU_DIST_TRANSPORT=host``.
+group can still do it. If any process cannot join (it ran JAX work before ``init_process_group``, or
+it is in an earlier group's runtime of another shape, as after a Ray host group re-forms around a
+replaced host), every rank of the group warns and stages collectives through host memory instead
+(the ``host`` transport), as does ``TORCHTPU_DIST_TRANSPORT=host``.
 
 ``TORCHTPU_JAX_COORDINATOR=host:port`` overrides the coordinator address (default: the store's
 host, or ``MASTER_ADDR``, and a free port of rank 0).
@@ -28,6 +29,7 @@ import jax
 from jax._src import xla_bridge
 
 _COORDINATOR_KEY = "torchtpu/jax_coordinator"
+_READY_KEY = "torchtpu/jax_ready"
 
 _state = {"active": False, "world": None, "rank": None, "address": None, "devices": None}
 
@@ -91,21 +93,44 @@ def _wait_for_coordinator(address: str, rank: int, world: int, timeout_s: float)
             time.sleep(0.1)
 
 
+def _readiness(rank: int, world: int) -> str:
+    """This process's state for a group of ``world``: "fresh" (JAX untouched: can start the runtime),
+    "same" (the runtime is up as process ``rank`` of ``world``), or why it can do neither."""
+    if jax.distributed.is_initialized():
+        if jax.process_count() == world and jax.process_index() == rank:
+            return "same"
+        return (f"JAX's multi-process runtime of this process is process {jax.process_index()} of "
+                f"{jax.process_count()} (an earlier group), not {rank} of {world}")
+    if xla_bridge.backends_are_initialized():
+        return "JAX already ran work in this process before init_process_group(\"tpu\") (a tpu tensor made first?)"
+    return "fresh"
+
+
 def start(store, rank: int, world: int, timeout_s: float) -> bool:
     """Bring up JAX's multi-process runtime for the default group (``rank`` of ``world``).
 
-    Returns whether the XLA transport is on. A start-up failure raises, naming the coordinator."""
+    The ranks first agree through the group's store: the runtime starts only if every process can
+    join it (or all are already in one of this shape, a group made again); otherwise every rank
+    stages collectives through host memory, with a warning. Returns whether the XLA transport is on.
+    A start-up failure raises, naming the coordinator."""
     _state.update(active=False, world=world, rank=rank)
     if os.environ.get("TORCHTPU_DIST_TRANSPORT", "xla") == "host":
         return False
-    if world > 1 and not jax.distributed.is_initialized():
-        if xla_bridge.backends_are_initialized():
-            warnings.warn(
-                "torchtpu distributed: JAX already ran work in this process before init_process_group(\"tpu\") "
-                "(a tpu tensor was made first?), so JAX's multi-process runtime cannot start: collectives on tpu "
-                "tensors are staged through host memory. Create the process group before any tpu work for "
-                "XLA collectives.", RuntimeWarning, stacklevel=4)
-            return False
+    if world == 1:
+        _state.update(devices=[jax.local_devices()[0]], active=True)
+        return True
+    mine = _readiness(rank, world)
+    store.set(f"{_READY_KEY}/{rank}", mine)
+    states = [store.get(f"{_READY_KEY}/{r}").decode() for r in range(world)]
+    if len(set(states)) != 1 or states[0] not in ("fresh", "same"):
+        why = next((f"rank {r}: {s_}" for r, s_ in enumerate(states) if s_ not in ("fresh", "same")),
+                   "some processes are in an earlier group's JAX runtime, others are new")
+        warnings.warn(
+            f"torchtpu distributed: JAX's multi-process runtime cannot serve this group ({why}): collectives "
+            "on tpu tensors are staged through host memory. Create the process group before any tpu work "
+            "in a fresh process for XLA collectives.", RuntimeWarning, stacklevel=4)
+        return False
+    if states[0] == "fresh":
         address = _coordinator(store, rank, timeout_s)
         if rank != 0:
             _wait_for_coordinator(address, rank, world, timeout_s)
@@ -122,10 +147,6 @@ def start(store, rank: int, world: int, timeout_s: float) -> bool:
                 f"coordinator {address}): {e}") from e
         _state["address"] = address
         atexit.register(_leave, store, rank, world, min(timeout_s, 60.0))
-    if jax.process_count() != world or jax.process_index() != rank:
-        raise RuntimeError(
-            f"torchtpu distributed: JAX's multi-process runtime has {jax.process_count()} processes (this is "
-            f"process {jax.process_index()}), the process group {world} (this is rank {rank})")
     first = {}
     for d in jax.devices():
         first.setdefault(d.process_index, d)

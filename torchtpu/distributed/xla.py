@@ -141,6 +141,8 @@ class GroupMesh:
         rounded up to a power of two so that changing splits reuse a few programs), exchanged, and
         unpacked on the device."""
         local = local.reshape(-1)
+        if len(set(send)) == 1 and set(recv) == set(send):  # even splits: no padding to undo
+            return self.run("all_to_all", local)
         widest = max(widest, 1)
         width = 1 << (widest - 1).bit_length()
         packed = _pack(local, np.asarray(send, np.int64), width)
