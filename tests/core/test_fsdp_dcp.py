@@ -21,7 +21,7 @@ SEQ = 8
 
 
 def _config():
-    return dict(vocab_size=32, d_model=16, n_layers=2, n_heads=2, max_seq_len=SEQ)
+    return {"vocab_size": 32, "d_model": 16, "n_layers": 2, "n_heads": 2, "max_seq_len": SEQ}
 
 
 def _model(seed=0):
@@ -76,7 +76,7 @@ def _assert_matches(model, ref, **tol):
     for k in ref:
         v = sd[k]
         v = v.full_tensor() if hasattr(v, "full_tensor") else v
-        torch.testing.assert_close(v.detach().cpu().float(), ref[k].float(), msg=lambda m: f"{k}: {m}", **tol)
+        torch.testing.assert_close(v.detach().cpu().float(), ref[k].float(), msg=lambda m, k=k: f"{k}: {m}", **tol)
 
 
 def _worker(rank, port, tmpdir):
@@ -110,7 +110,7 @@ def _worker(rank, port, tmpdir):
             fully_shard(block, **kw)
         fully_shard(model, **kw)
         opt = train(model)
-        _assert_matches(model, ref, **(tol or dict(rtol=1e-4, atol=1e-5)))
+        _assert_matches(model, ref, **(tol or {"rtol": 1e-4, "atol": 1e-5}))
         return model, opt
 
     holder = {}
@@ -125,7 +125,7 @@ def _worker(rank, port, tmpdir):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         fsdp2(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-              tol=dict(rtol=5e-2, atol=5e-2))
+              tol={"rtol": 5e-2, "atol": 5e-2})
     check("fsdp2_bf16_params_f32_reduce", fsdp2_bf16_params_f32_reduce)
 
     def dcp_save():

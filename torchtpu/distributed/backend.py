@@ -43,7 +43,6 @@ import datetime
 import math
 import os
 import threading
-
 import warnings
 
 import jax

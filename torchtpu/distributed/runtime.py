@@ -20,6 +20,7 @@ host, or ``MASTER_ADDR``, and a free port of rank 0).
 from __future__ import annotations
 
 import atexit
+import datetime
 import os
 import socket
 import time
@@ -61,7 +62,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _coordinator(store, rank: int, timeout_s: float) -> str:
+def _wait_for_keys(store, keys, rank: int, world: int, timeout_s: float, what: str) -> None:
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception as e:
+        address = os.environ.get("TORCHTPU_JAX_COORDINATOR") or "to be published by rank 0"
+        raise RuntimeError(
+            f"torchtpu distributed: JAX's multi-process runtime did not start (process {rank} of {world}, "
+            f"coordinator {address}): waited {timeout_s:.0f} s for {what} ({e})") from e
+
+
+def _coordinator(store, rank: int, world: int, timeout_s: float) -> str:
     """Rank 0 picks the coordinator address and publishes it in the group's store; the others read it."""
     if os.environ.get("TORCHTPU_JAX_COORDINATOR"):
         return os.environ["TORCHTPU_JAX_COORDINATOR"]
@@ -72,6 +83,7 @@ def _coordinator(store, rank: int, timeout_s: float) -> str:
         address = f"{host}:{_free_port()}"
         store.set(_COORDINATOR_KEY, address)
         return address
+    _wait_for_keys(store, [_COORDINATOR_KEY], rank, world, timeout_s, "rank 0 to publish the coordinator address")
     return store.get(_COORDINATOR_KEY).decode()
 
 
@@ -121,7 +133,9 @@ def start(store, rank: int, world: int, timeout_s: float) -> bool:
         return True
     mine = _readiness(rank, world)
     store.set(f"{_READY_KEY}/{rank}", mine)
-    states = [store.get(f"{_READY_KEY}/{r}").decode() for r in range(world)]
+    keys = [f"{_READY_KEY}/{r}" for r in range(world)]
+    _wait_for_keys(store, keys, rank, world, timeout_s, "every rank to report")
+    states = [store.get(k).decode() for k in keys]
     if len(set(states)) != 1 or states[0] not in ("fresh", "same"):
         why = next((f"rank {r}: {s_}" for r, s_ in enumerate(states) if s_ not in ("fresh", "same")),
                    "some processes are in an earlier group's JAX runtime, others are new")
@@ -131,7 +145,7 @@ def start(store, rank: int, world: int, timeout_s: float) -> bool:
             "in a fresh process for XLA collectives.", RuntimeWarning, stacklevel=4)
         return False
     if states[0] == "fresh":
-        address = _coordinator(store, rank, timeout_s)
+        address = _coordinator(store, rank, world, timeout_s)
         if rank != 0:
             _wait_for_coordinator(address, rank, world, timeout_s)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -141,7 +155,7 @@ def start(store, rank: int, world: int, timeout_s: float) -> bool:
         try:
             jax.distributed.initialize(address, world, rank,
                                        initialization_timeout=max(1, int(timeout_s)))
-        except Exception as e:  # noqa: BLE001 - re-raised with the address
+        except Exception as e:
             raise RuntimeError(
                 f"torchtpu distributed: JAX's multi-process runtime did not start (process {rank} of {world}, "
                 f"coordinator {address}): {e}") from e
@@ -173,7 +187,7 @@ def _leave(store, rank: int, world: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while store.add(_EXITED_KEY, 0) < world - 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-    except Exception:  # noqa: BLE001 - the store (rank 0) is gone or a peer died: leave anyway
+    except Exception:  # noqa: BLE001, S110 - the store (rank 0) is gone or a peer died: leave anyway
         pass
 
 

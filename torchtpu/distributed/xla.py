@@ -105,7 +105,7 @@ def _body(kind: str, static: tuple, n: int):
     raise ValueError(f"torchtpu distributed: no XLA program for {kind}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _program(mesh: Mesh, kind: str, static: tuple):
     body = _body(kind, static, mesh.devices.size)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False))
