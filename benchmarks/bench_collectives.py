@@ -1,19 +1,22 @@
-"""Collective bus bandwidth: the ``tpu`` backend on tpu tensors vs gloo on CPU tensors.
+"""Collective bus bandwidth: XLA collectives vs the host-staged route vs gloo on CPU tensors.
 
-Two processes (``torch.multiprocessing`` spawn). In each, the default group is
-``"tpu"`` and a second group over the same ranks is ``"gloo"``. For each
-message size (1 MB ... 256 MB; ``--quick``: up to 16 MB) both run
-``all_reduce`` (SUM) and ``all_to_all_single`` taking turns repeat by repeat,
-so load from other jobs falls on both alike; ``tpu_nocheck`` is the tpu
-backend with its cross-rank descriptor check off (``TORCHTPU_DIST_CHECK=0``). A tpu timing includes what a user
-pays: the descriptor check, the device-to-host copy, gloo, and the copy of the
-results back into the tpu tensor (closed by ``torchtpu.synchronize()``).
+``--world`` processes (``torch.multiprocessing`` spawn; each world size its own job). In each, the
+default group is ``"tpu"`` (JAX's multi-process runtime under it) and a second group over the same
+ranks is ``"gloo"``. For each message size (``--sizes``, MB) and collective (all_reduce SUM,
+all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single) three paths take turns repeat by
+repeat, so load from other jobs falls on all alike:
 
-Bus bandwidth as nccl-tests defines it, so figures compare across world sizes:
-all_reduce ``bytes * 2 (n-1) / n / t``, all_to_all ``bytes * (n-1) / n / t``.
-Ratios are tpu time / gloo time (1.0 = the tpu backend adds nothing to gloo).
+* ``xla``: tpu tensors, one XLA program over the processes' devices (no host copies);
+* ``staged``: tpu tensors inside ``torchtpu.distributed.host_staged()``: device->host copy, gloo,
+  copy back (the route before XLA collectives);
+* ``gloo``: CPU tensors through the gloo group.
 
-    python benchmarks/bench_collectives.py --out runs/bench_collectives.json
+A tpu timing includes what a user pays (the descriptor check; closed by ``torchtpu.synchronize()``).
+Bus bandwidth as nccl-tests defines it: all_reduce ``bytes * 2 (n-1) / n / t``, the others
+``bytes * (n-1) / n / t`` (bytes: the full buffer). Ratios: staged time / xla time (> 1: XLA faster),
+gloo time / xla time.
+
+    python benchmarks/bench_collectives.py --world 2 4 --sizes 1 16 256 --out runs/bench_collectives.json
     python benchmarks/bench_collectives.py --quick
 """
 
@@ -33,26 +36,41 @@ from common import early_threads, environment, pin_threads, write_json  # noqa: 
 MB = 1 << 20
 
 
-def _sizes(quick):
-    top = 16 if quick else 256
-    out, s = [], 1
-    while s <= top:
-        out.append(s)
-        s *= 4 if not quick else 2
-    if out[-1] != top:
-        out.append(top)
-    return out
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+PATHS = ("xla", "staged", "gloo")
 
 
-def _nocheck(fn):
-    """``fn`` with the cross-rank descriptor check off (TORCHTPU_DIST_CHECK=0), to show what it costs."""
-    def run():
-        os.environ["TORCHTPU_DIST_CHECK"] = "0"
-        try:
-            fn()
-        finally:
-            del os.environ["TORCHTPU_DIST_CHECK"]
-    return run
+def _calls(coll, world, tpu, cpu, gloo):
+    """{path: one call of ``coll``} on tpu tensors (xla, staged) and CPU tensors (gloo)."""
+    import torch
+    import torch.distributed as dist
+
+    from torchtpu.distributed import host_staged
+
+    n = tpu.numel()
+    if coll == "all_reduce":
+        def make(x, group):
+            return lambda: dist.all_reduce(x, group=group)
+    elif coll == "all_gather":  # each rank contributes n / world elements: the output is the full buffer
+        def make(x, group):
+            out = torch.empty(n, dtype=x.dtype, device=x.device)
+            part = x[: n // world]
+            return lambda: dist.all_gather_into_tensor(out, part, group=group)
+    elif coll == "reduce_scatter":
+        def make(x, group):
+            out = torch.empty(n // world, dtype=x.dtype, device=x.device)
+            return lambda: dist.reduce_scatter_tensor(out, x, group=group)
+    else:
+        def make(x, group):
+            out = torch.empty_like(x)
+            return lambda: dist.all_to_all_single(out, x, group=group)
+    xla = make(tpu, None)
+    staged_call = make(tpu, None)
+
+    def staged():
+        with host_staged():
+            staged_call()
+    return {"xla": xla, "staged": staged, "gloo": make(cpu, gloo)}
 
 
 def _worker(rank, world, port, args, queue):
@@ -61,41 +79,33 @@ def _worker(rank, world, port, args, queue):
     import torch.distributed as dist
 
     import torchtpu
+    from torchtpu.distributed import xla_transport_active
 
     dist.init_process_group("tpu", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    assert xla_transport_active(), "JAX's multi-process runtime did not come up"
     gloo = dist.new_group(backend="gloo")
     results = []
-    sizes = _sizes(args.quick)
     bar = None
     if rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(sizes) * 2, desc="collectives", file=sys.stderr)
-    for mb in sizes:
-        n = mb * MB // 4  # float32 elements
+        bar = tqdm(total=len(args.sizes) * len(COLLECTIVES), desc=f"collectives x{world}", file=sys.stderr)
+    for mb in args.sizes:
+        n = int(mb * MB) // 4  # float32 elements
         n -= n % world
         cpu = torch.randn(n)
         tpu = cpu.to("tpu")
-        for coll in ("all_reduce", "all_to_all"):
-            if coll == "all_reduce":
-                tpu_fn = lambda: dist.all_reduce(tpu)  # noqa: E731
-                fns = {"tpu": tpu_fn, "tpu_nocheck": _nocheck(tpu_fn), "gloo": lambda: dist.all_reduce(cpu, group=gloo)}
-                factor = 2 * (world - 1) / world
-            else:
-                out_t = torch.empty_like(tpu)
-                out_c = torch.empty_like(cpu)
-                tpu_fn = lambda: dist.all_to_all_single(out_t, tpu)  # noqa: E731
-                fns = {"tpu": tpu_fn, "tpu_nocheck": _nocheck(tpu_fn),
-                       "gloo": lambda: dist.all_to_all_single(out_c, cpu, group=gloo)}
-                factor = (world - 1) / world
-            iters = max(1, min(20, (64 // mb))) if not args.quick else max(1, min(10, 16 // mb))
+        for coll in COLLECTIVES:
+            fns = _calls(coll, world, tpu, cpu, gloo)
+            factor = 2 * (world - 1) / world if coll == "all_reduce" else (world - 1) / world
+            iters = max(1, min(args.iters, int(64 // mb)))
             per = {k: [] for k in fns}
-            for name, fn in fns.items():  # warm-up: compiles the tpu copies once
+            for fn in fns.values():  # warm-up: compiles the programs once
                 fn()
                 torchtpu.synchronize()
             for _ in range(args.repeats):
                 for name, fn in fns.items():
-                    dist.barrier(group=gloo)  # both ranks start the timing together
+                    dist.barrier(group=gloo)  # the ranks start the timing together
                     t0 = time.perf_counter()
                     for _ in range(iters):
                         fn()
@@ -103,22 +113,18 @@ def _worker(rank, world, port, args, queue):
                         torchtpu.synchronize()
                     per[name].append((time.perf_counter() - t0) / iters)
             # the slowest rank's time is the collective's time
-            med = torch.tensor([statistics.median(per[k]) for k in ("tpu", "tpu_nocheck", "gloo")],
-                               dtype=torch.float64)
-            ratios = torch.tensor([statistics.median([a / b for a, b in zip(per[k], per["gloo"])])
-                                   for k in ("tpu", "tpu_nocheck")], dtype=torch.float64)
+            med = torch.tensor([statistics.median(per[k]) for k in PATHS], dtype=torch.float64)
+            ratios = torch.tensor([statistics.median([a / b for a, b in zip(per[k], per["xla"])])
+                                   for k in ("staged", "gloo")], dtype=torch.float64)
             dist.all_reduce(med, op=dist.ReduceOp.MAX, group=gloo)
-            dist.all_reduce(ratios, op=dist.ReduceOp.MAX, group=gloo)
+            dist.all_reduce(ratios, op=dist.ReduceOp.MIN, group=gloo)
             nbytes = n * 4
-            results.append({
-                "collective": coll, "size_mb": mb, "bytes": nbytes, "iters": iters, "repeats": args.repeats,
-                "tpu_s": med[0].item(), "tpu_nocheck_s": med[1].item(), "gloo_s": med[2].item(),
-                "tpu_busbw_gbps": nbytes * factor / med[0].item() / 1e9,
-                "tpu_nocheck_busbw_gbps": nbytes * factor / med[1].item() / 1e9,
-                "gloo_busbw_gbps": nbytes * factor / med[2].item() / 1e9,
-                "ratio_tpu_over_gloo": ratios[0].item(),
-                "ratio_tpu_nocheck_over_gloo": ratios[1].item(),
-            })
+            row = {"collective": coll, "world": world, "size_mb": mb, "bytes": nbytes, "iters": iters,
+                   "repeats": args.repeats, "staged_over_xla": ratios[0].item(), "gloo_over_xla": ratios[1].item()}
+            for k, t in zip(PATHS, med.tolist()):
+                row[f"{k}_s"] = t
+                row[f"{k}_busbw_gbps"] = nbytes * factor / t / 1e9
+            results.append(row)
             if bar is not None:
                 bar.update(1)
         # correctness of what was timed: the tpu result matches gloo's
@@ -140,42 +146,48 @@ def main():
     threads = early_threads()
     pin_threads(threads)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="sizes up to 16 MB (< 60 s)")
+    ap.add_argument("--quick", action="store_true", help="1 and 4 MB, 2 processes")
+    ap.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--sizes", type=float, nargs="+", default=[1, 16, 256], help="message sizes in MB")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10, help="calls per timing (fewer for large messages)")
     ap.add_argument("--threads", type=int, default=threads)
     ap.add_argument("--out", default="runs/bench_collectives.json")
     args = ap.parse_args()
+    if args.quick:
+        args.world, args.sizes, args.repeats, args.iters = [2], [1, 4], 2, 3
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    world = 2
     t0 = time.time()
-    mp.start_processes(_worker, args=(world, port, args, queue), nprocs=world, start_method="spawn")
-    results = queue.get()
+    results = []
+    for world in args.world:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        queue = ctx.SimpleQueue()
+        mp.start_processes(_worker, args=(world, port, args, queue), nprocs=world, start_method="spawn")
+        results += queue.get()
 
-    print(f"\n{'collective':<12}{'size':>8}{'tpu GB/s':>11}{'nocheck GB/s':>14}{'gloo GB/s':>11}"
-          f"{'tpu/gloo':>10}{'nocheck/gloo':>14}")
+    print(f"\n{'collective':<15}{'world':>6}{'size':>9}{'xla GB/s':>10}{'staged GB/s':>13}{'gloo GB/s':>11}"
+          f"{'staged/xla':>12}{'gloo/xla':>10}")
     for r in results:
-        print(f"{r['collective']:<12}{r['size_mb']:>6}MB{r['tpu_busbw_gbps']:>11.3f}"
-              f"{r['tpu_nocheck_busbw_gbps']:>14.3f}{r['gloo_busbw_gbps']:>11.3f}"
-              f"{r['ratio_tpu_over_gloo']:>10.2f}{r['ratio_tpu_nocheck_over_gloo']:>14.2f}")
+        print(f"{r['collective']:<15}{r['world']:>6}{r['size_mb']:>7g}MB{r['xla_busbw_gbps']:>10.3f}"
+              f"{r['staged_busbw_gbps']:>13.3f}{r['gloo_busbw_gbps']:>11.3f}"
+              f"{r['staged_over_xla']:>12.2f}{r['gloo_over_xla']:>10.2f}")
     summary = {}
-    for coll in ("all_reduce", "all_to_all"):
-        for k in ("tpu", "tpu_nocheck"):
-            rs = [r[f"ratio_{k}_over_gloo"] for r in results if r["collective"] == coll]
-            summary[f"{coll}_median_ratio_{k}_over_gloo"] = statistics.median(rs)
+    for coll in COLLECTIVES:
+        for k in ("staged", "gloo"):
+            rs = [r[f"{k}_over_xla"] for r in results if r["collective"] == coll]
+            summary[f"{coll}_median_{k}_over_xla"] = statistics.median(rs)
     print(" ".join(f"{k}={v:.2f}" for k, v in summary.items()))
     import torch  # noqa: F401  (environment() reads torch and jax versions)
 
     env = environment(args.threads)
-    write_json(args.out, {"benchmark": "collectives", "world_size": world, "quick": args.quick,
-                          "wall_s": time.time() - t0, "environment": env, "results": results,
-                          "summary": summary})
+    write_json(args.out, {"benchmark": "collectives", "worlds": args.world, "sizes_mb": args.sizes,
+                          "quick": args.quick, "wall_s": time.time() - t0, "environment": env,
+                          "results": results, "summary": summary})
 
 
 if __name__ == "__main__":

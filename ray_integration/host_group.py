@@ -151,7 +151,7 @@ class _HostActor:
         return {"pid": os.getpid(), "rank": _CURRENT.rank if _CURRENT else None,
                 "env": {k: os.environ.get(k) for k in ("TPU_WORKER_ID", "TPU_NAME", "TPU_ACCELERATOR_TYPE",
                                                       "TPU_TOPOLOGY", "TPU_WORKER_HOSTNAMES")},
-                "jax_devices": jax.device_count(), "jax_platform": jax.default_backend()}
+                "jax_devices": len(jax.local_devices()), "jax_platform": jax.default_backend()}
 
     def shutdown(self):
         import torch.distributed as dist

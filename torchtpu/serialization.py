@@ -23,8 +23,10 @@ storages are given the few storage operations torch's own code relies on:
   and ``_byteswap`` (``torch.load`` of a big-endian file) works on the
   buffer, instead of through the data pointer, which on tpu is a fake,
   never-dereferenceable address (torch's C++ would segfault on it);
-- slicing (an aliasing view at an address) and in-place ``resize_`` (a C++
-  hook Python cannot provide) raise clear errors.
+- slicing (an aliasing view at an address) raises a clear error; in-place
+  ``resize_`` (a C++ hook Python cannot provide) frees the device memory at 0
+  bytes and allocates it again at the storage's size (FSDP2's use), and
+  raises a clear error for any other size.
 
 ``torch.load``'s location tags need nothing extra: torch's PrivateUse1
 package (``register_package(23, ...)``) tags tpu storages ``"tpu:0"`` and
@@ -48,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from .base import metrics
 from .runtime import device as _device
 from .runtime import storage as _storage
 
@@ -91,14 +94,16 @@ def new_storage(nbytes: int, host_bytes: np.ndarray | None = None) -> torch.Unty
     if host_bytes is None:
         buf = _storage.to_device(np.zeros((nbytes,), np.uint8))
     else:
-        buf = jax.device_put(np.ascontiguousarray(host_bytes, dtype=np.uint8).reshape(-1), _device.jax_device())
+        host_bytes = np.ascontiguousarray(host_bytes, dtype=np.uint8).reshape(-1)
+        metrics.record_host_transfer(host_bytes.nbytes)
+        buf = jax.device_put(host_bytes, _device.jax_device())
     return _storage.new_storage(nbytes, buf, torch.uint8)
 
 
 def host_bytes(s) -> np.ndarray:
     """The bytes of tpu storage ``s`` as a host ``uint8`` array (one device->host transfer)."""
     sd = _tpu_data(s)
-    arr = np.asarray(jax.device_get(sd.buf)).reshape(-1)
+    arr = np.asarray(_storage.to_host(sd.buf)).reshape(-1)
     return np.ascontiguousarray(arr).view(np.uint8)[: sd.nbytes]
 
 
@@ -176,8 +181,18 @@ def _storage_getitem(self, *args, **kwargs):
 def _storage_resize(self, size):
     if self.device.type != "tpu":
         return _orig_resize(self, size)
+    # torch keeps a PrivateUse1 storage's byte count in C++, which only a C++ hook could change. What
+    # FSDP2 does with resize_ still has its meaning: resize_(0) frees the device memory, and
+    # resize_(nbytes()) gives the storage memory again (zeros; written before it is read).
+    if size == 0:
+        _tpu_data(self).release()
+        return self
+    if size == self.nbytes():
+        _tpu_data(self).buf  # noqa: B018 - allocates a released storage's buffer
+        return self
     raise RuntimeError(
-        "torchtpu: a tpu storage cannot be resized in place; resize the tensor (t.resize_) or make a new storage"
+        f"torchtpu: a tpu storage cannot be resized in place from {self.nbytes()} to {size} bytes (only to 0, "
+        "which frees its memory, and back); resize the tensor (t.resize_) or make a new storage"
     )
 
 

@@ -349,6 +349,49 @@ def _collective_checks(c, rank, world, gloo):
         _close(raw, ref / world)
     c("functional_collectives", functional)
 
+    def xla_transport():
+        # tpu tensors move as XLA programs: not one byte through host memory (the counter covers
+        # .cpu(), .to("tpu"), host staging and the CPU fallback); host_staged() takes the old route
+        import torchtpu
+        from torchtpu.distributed import host_staged, xla_transport_active
+
+        assert xla_transport_active()
+        x = data((64,))
+        t, g = x.to(dev), x.to(dev)
+        out = torch.empty(world * 64, device=dev)
+        rs = torch.empty(64 // world, device=dev)
+        send = [rank + 1] * world
+        recv = [i + 1 for i in range(world)]
+        a2a_in = data((sum(send), 2)).to(dev)
+        a2a_out = torch.empty(sum(recv), 2, device=dev)
+        p2p = torch.full((5,), float(rank), device=dev)
+        torchtpu.sync()
+        moved = {}
+        for name, call in [("all_reduce", lambda: dist.all_reduce(t)),
+                           ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(out, g)),
+                           ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(rs, g)),
+                           ("broadcast", lambda: dist.broadcast(g, src=0)),
+                           ("all_to_all_single", lambda: dist.all_to_all_single(a2a_out, a2a_in, recv, send)),
+                           ("send/recv", lambda: (dist.send if rank == 0 else dist.recv)(p2p, 1 - rank))]:
+            before = torchtpu.metrics.snapshot()["host_transfer_bytes"]
+            if name != "send/recv" or rank < 2:
+                call()
+            torchtpu.sync()
+            moved[name] = torchtpu.metrics.snapshot()["host_transfer_bytes"] - before
+        assert not any(moved.values()), f"collectives staged bytes through host: {moved}"
+        _close(p2p, torch.zeros(5))
+        before = torchtpu.metrics.snapshot()["host_transfer_bytes"]
+        staged = x.to(dev)
+        with host_staged():
+            dist.all_reduce(staged)
+        moved = torchtpu.metrics.snapshot()["host_transfer_bytes"] - before
+        assert moved >= 2 * x.numel() * 4, moved  # out to host and back
+        _close(staged, t)
+        ref = x.clone()
+        dist.all_reduce(ref, group=gloo)
+        _close(t, ref)
+    c("xla_transport_no_host_bytes", xla_transport)
+
     def defer_and_fuse():
         import torchtpu
 
@@ -585,7 +628,19 @@ def _main_job(rank, world, port, out_dir):
         _failure_checks(c, rank, world)
     finally:
         c.dump(os.path.join(out_dir, f"main_{rank}.json"))
-        os._exit(0)  # no destroy: the short group still holds the op that timed out
+        _exit_last_on_rank0(rank, [os.path.join(out_dir, f"main_{r}.json") for r in range(world)])
+
+
+def _exit_last_on_rank0(rank, paths):
+    """``os._exit(0)`` (no destroy: a short group still holds an op that timed out), rank 0 after the
+    others wrote ``paths``: rank 0 hosts JAX's multi-process coordinator, and a process that loses
+    it without JAX's shutdown barrier (which os._exit skips) is aborted by JAX."""
+    if rank == 0:
+        deadline = time.time() + 120
+        while not all(os.path.exists(p) for p in paths) and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.5)
+    os._exit(0)
 
 
 def _eq(a, b):
@@ -666,7 +721,7 @@ def _torchrun_job(out_dir):
             raise AssertionError("a collective with a dead rank completed")
     c("dead_rank_errors", dead_peer)
     c.dump(out_path)
-    os._exit(0)
+    _exit_last_on_rank0(rank, [os.path.join(out_dir, f"four_{r}.json") for r in range(world)])
 
 
 # =====================================================================================================================
@@ -718,7 +773,7 @@ MAIN_CHECKS = [
     "all_reduce_bool", "all_reduce_strided_view", "broadcast", "broadcast_complex64", "all_gather",
     "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter_list", "all_to_all_single_even",
     "all_to_all_single_uneven", "all_to_all_list", "gather_scatter_reduce", "barrier", "send_recv", "async_work",
-    "cpu_tensors_through_tpu_group", "functional_collectives", "defer_and_fuse_flush", "new_group", "ddp_parity",
+    "cpu_tensors_through_tpu_group", "functional_collectives", "xla_transport_no_host_bytes", "defer_and_fuse_flush", "new_group", "ddp_parity",
     "device_mesh", "dtensor", "sharded_tensor_device_without_local_shards", "mismatch_shape", "mismatch_collective", "mismatch_dtype",
     "mismatch_all_to_all_splits", "mismatch_recv_size", "agreed_arguments_skip_exchange",
     "rank_never_joins_times_out",
@@ -760,6 +815,27 @@ def test_torchrun_four_processes(torchrun_job, name):
         checks = torchrun_job[path]
         assert name in checks, f"{os.path.basename(path)} did not run {name}"
         assert checks[name]["ok"], f"{os.path.basename(path)}:\n{checks[name]['error']}"
+
+
+def test_jax_startup_failure_names_coordinator():
+    """init_process_group("tpu") brings up JAX's multi-process runtime; when that cannot start (no
+    coordinator at the address), the error says which address, within the group's timeout."""
+    port = _free_port()  # nothing listens there
+    code = (
+        "import datetime, os\n"
+        "import torch.distributed as dist\n"
+        "import torchtpu\n"
+        "try:\n"
+        "    dist.init_process_group('tpu', store=dist.HashStore(), rank=1, world_size=2,\n"
+        "                            timeout=datetime.timedelta(seconds=2))\n"
+        "except RuntimeError as e:\n"
+        "    print('ERROR:', e)\n")
+    env = dict(os.environ, TORCHTPU_JAX_COORDINATOR=f"127.0.0.1:{port}")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ERROR:" in proc.stdout and f"coordinator 127.0.0.1:{port}" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert time.perf_counter() - t0 < 60
 
 
 def test_registered_backend():

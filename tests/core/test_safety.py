@@ -241,6 +241,13 @@ case("untyped_storage_more", """
             assert "tpu storage" in str(e), e
         else:
             raise AssertionError("must raise")
+    u = torch.arange(4.0, device="tpu")
+    held = torch.tpu.memory_allocated()
+    u.untyped_storage().resize_(0)  # FSDP2 frees an unsharded parameter's memory so between uses
+    assert torch.tpu.memory_allocated() == held - 16
+    u.untyped_storage().resize_(16)  # and gives it back before writing it
+    u.copy_(torch.ones(4))
+    same(u, torch.ones(4))
     c = copy.copy(t.untyped_storage())
     assert c.device.type == "tpu" and c.tolist() == t.untyped_storage().tolist()
 """)

@@ -35,6 +35,7 @@ _state = {
     "misses_by_bucket": collections.defaultdict(collections.Counter),  # bucket key -> op -> executables
     "bucket_overflows": collections.Counter(),  # "[policy:]truncate|split|...": count
     "shape_generic_calls": collections.Counter(),  # op -> calls run by the compile-storm policy on CPU
+    "host_transfer_bytes": 0,  # bytes copied between device buffers and host memory, either direction
 }
 
 # ---------------------------------------------------------------- bucket scopes
@@ -234,6 +235,13 @@ def record_flush(reason):
         _state["flushes"][reason] += 1
 
 
+def record_host_transfer(nbytes) -> None:
+    """``nbytes`` copied between a device buffer and host memory (either direction): ``.cpu()``,
+    ``.to("tpu")``, host-staged collectives, the CPU fallback, checkpoint bytes."""
+    with _lock:
+        _state["host_transfer_bytes"] += int(nbytes)
+
+
 def record_overflow(kind, n=1):
     """Count a bucket overflow that was handled (truncated, split, dropped); ``n`` items."""
     with _lock:
@@ -245,7 +253,8 @@ def snapshot() -> dict:
     ``cpu_fallbacks`` (op -> count), ``flushes`` (reason -> count), ``compile_time_s``,
     ``compiles_by_bucket`` (bucket key -> XLA compiles inside ``bucket_scope``),
     ``misses_by_bucket`` (bucket key -> op -> executables built), ``bucket_overflows``
-    (kind -> count), ``shape_generic_calls`` (op -> calls the compile-storm policy ran on CPU)."""
+    (kind -> count), ``shape_generic_calls`` (op -> calls the compile-storm policy ran on CPU),
+    ``host_transfer_bytes`` (bytes the runtime copied between device buffers and host memory)."""
     with _lock:
         out = copy.deepcopy(_state)
     for k in ("cache_misses", "cpu_fallbacks", "flushes", "compiles_by_bucket", "bucket_overflows",
@@ -261,6 +270,7 @@ def reset():
         _state["compiles"] = 0
         _state["cache_hits"] = 0
         _state["compile_time_s"] = 0.0
+        _state["host_transfer_bytes"] = 0
         for k in ("cache_misses", "cpu_fallbacks", "flushes", "compiles_by_bucket", "misses_by_bucket",
                   "bucket_overflows", "shape_generic_calls"):
             _state[k].clear()

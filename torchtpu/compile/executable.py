@@ -426,7 +426,7 @@ def _write_back(targets, values, whole):
     if bumped:
         torch._C._increment_version(bumped)  # as an eager in-place op would (autograd's saved-tensor checks)
     if host:
-        vals = jax.device_get([v for _, v in host])  # one transfer for all host-side inputs
+        vals = storage.to_host([v for _, v in host])  # one transfer for all host-side inputs
         with torch.no_grad():
             for (t, _), v in zip(host, vals):
                 t.copy_(dtypes.numpy_to_torch(np.asarray(v), t.dtype).reshape(t.shape))
@@ -436,7 +436,7 @@ def _wrap_array(o, info):
     dtype, on_cpu, dev = info
     if on_cpu:
         # e.g. an optimizer's CPU step counter: the output lives where PyTorch says
-        return dtypes.numpy_to_torch(np.asarray(jax.device_get(o)), dtype).reshape(tuple(o.shape)).to(dev)
+        return dtypes.numpy_to_torch(np.asarray(storage.to_host(o)), dtype).reshape(tuple(o.shape)).to(dev)
     return storage.new_tensor(o.shape, dtype, o)
 
 

@@ -134,7 +134,11 @@ def _make_out_kernel(op, fop, out_names):
         # keyword-only arguments (sum.dim_IntList's dtype) must be passed by keyword
         res = fop(*fargs[:npos], **dict(zip(fnames[npos:], fargs[npos:])))
         res_flat = res if isinstance(res, (tuple, list)) else (res,)
-        outs = [bound[n] for n in out_names]
+        outs = []
+        for n in out_names:  # a ``Tensor(a!)[] out`` (split_with_sizes_copy.out) is one list of outputs
+            outs.extend(bound[n]) if isinstance(bound[n], (list, tuple)) else outs.append(bound[n])
+        if len(outs) != len(res_flat):
+            raise RuntimeError(f"{op._schema.name}: {len(outs)} out tensors given for {len(res_flat)} results")
         for o, r in zip(outs, res_flat):
             if o.device.type != "tpu":
                 raise RuntimeError(MIXED_DEVICE.format("tpu:0", o.device))
@@ -151,6 +155,8 @@ def _make_out_kernel(op, fop, out_names):
                         "t.resize_(0).")
                 o.resize_(r.shape)
             o.copy_(r)
+        if any(isinstance(bound[n], (list, tuple)) for n in out_names):
+            return None  # such ops return nothing
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     return out_kernel

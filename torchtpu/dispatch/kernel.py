@@ -142,6 +142,8 @@ class Kernel:
         # arguments written by this op (in-place self, or Tensor(a!)[] lists)
         self.mutated = [i for i, a in enumerate(self.args) if a.alias_info is not None and a.alias_info.is_write]
         self.n_returns = len(schema.returns)
+        # written tensor lists (_foreach_copy_'s self): elements over one storage must be written in turn
+        self.mutated_lists = [i for i in self.mutated if self.kinds[i] in (_TL, _OTL)] if not self.n_returns else []
         # defaults of the trailing arguments a positional call may leave out: _tails[k] completes a
         # call with k arguments (None where one of them has no default)
         self._tails = [None] * (self.nargs + 1)
@@ -151,6 +153,26 @@ class Kernel:
                 self._tails[k] = tuple(rest)
         self.cache: dict = {}
         self.lock = threading.RLock()
+
+    def _lists_alias(self, vals) -> bool:
+        """Do two written list elements share a storage (views of one buffer, as FSDP2's copy-in writes)?
+        One executable would compute each from the old buffer, and the last write would win."""
+        seen = set()
+        for i in self.mutated_lists:
+            for t in vals[i]:
+                if t is not None:
+                    s = id(t.untyped_storage())
+                    if s in seen:
+                        return True
+                    seen.add(s)
+        return False
+
+    def _element_by_element(self, vals):
+        """The call split into one call per list position, run in order (each sees the previous writes)."""
+        n = len(vals[self.mutated_lists[0]])
+        for j in range(n):
+            self(*[v[j:j + 1] if kind in (_TL, _OTL, _SCALARS) and len(v) == n else v
+                   for v, kind in zip(vals, self.kinds)])
 
     # ---------------------------------------------------------------- binding
     def bind(self, args, kwargs):
@@ -173,6 +195,8 @@ class Kernel:
         else:
             tail = self._tails[len(args)] if len(args) <= self.nargs else None
             vals = args + tail if tail is not None else self.bind(args, kwargs)
+        if self.mutated_lists and self._lists_alias(vals):
+            return self._element_by_element(vals)
         key = [self.name]  # the cache is this kernel's own: the name only labels the key (cheap to hash)
         bufs = []
         dyn = []
@@ -243,6 +267,8 @@ class Kernel:
             if sd.dtype is not dt:
                 sd.retype(dt)
             buf = sd.raw_buf
+            if buf is None:  # a released storage (resize_(0)) used again
+                buf = sd.buf
             bufs.append(buf)
             k = ((t.shape, t.stride(), t.storage_offset()), dt, buf.numel if type(buf) is LazyBuf else buf.size)
             if t.is_conj() or t.is_neg():  # a lazy conj()/neg view: the executable applies the bits
@@ -265,7 +291,8 @@ class Kernel:
                 bufs.append(arr)
                 return ((tuple(t.shape), _layout.contiguous_strides(tuple(t.shape)), 0), t.dtype, arr.size)
             raise RuntimeError(MIXED_DEVICE.format("tpu:0", t.device))
-        buf = storage_data(t).raw_buf
+        sd = storage_data(t)
+        buf = sd.raw_buf if sd.raw_buf is not None else sd.buf
         bufs.append(buf)
         n = buf.numel if type(buf) is LazyBuf else buf.size
         k = ((t.shape, t.stride(), t.storage_offset()), t.dtype, n)

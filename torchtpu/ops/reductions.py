@@ -621,7 +621,7 @@ def _bincount(self, weights=None, minlength=0):
     x = logical_value(self)
     length = minlength
     if self.numel():
-        lo, hi = (int(v) for v in jax.device_get(_minmax_fn()(x)))
+        lo, hi = (int(v) for v in storage.to_host(_minmax_fn()(x)))
         if lo < 0:
             raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
         length = max(hi + 1, minlength)

@@ -42,6 +42,7 @@ import warnings
 import weakref
 
 import jax
+from jax._src.array import ArrayImpl  # the concrete array type: a type check needs no backend
 
 from ..base import metrics
 from ..base.frames import user_site
@@ -394,11 +395,13 @@ def _donatable(ext):
     return tuple(out)
 
 
-_ARRAY = type(jax.numpy.zeros(()))
+# Neither needs a device: JAX's backend must stay uninitialized at import, so that
+# init_process_group("tpu") can still bring up JAX's multi-process runtime (distributed/runtime.py).
+_ARRAY = ArrayImpl
 # the abstract value jit gives a python number of each type (the kernel path passes numbers met
 # once as themselves)
 _PY_AVALS = {t: (z.shape, z.dtype, z.weak_type) for t, z in
-             ((t, jax.numpy.asarray(t(0))) for t in (bool, int, float, complex))}
+             ((t, jax.eval_shape(lambda t=t: jax.numpy.asarray(t(0)))) for t in (bool, int, float, complex))}
 
 
 def _make_graph_fn(spec, outs, nodes):

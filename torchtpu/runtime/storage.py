@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax._src.array import ArrayImpl  # the concrete array type: a type check needs no backend
 
-from ..base import dtypes
+from ..base import dtypes, metrics
 from ..base.memory import MEMORY
 from . import layout as _layout
 from .recorder import RECORDER, LazyBuf
@@ -36,7 +37,7 @@ _make_storage = torch._C._construct_storage_from_data_pointer
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset._handle.redispatch_boxed
 
 _LIVE: "weakref.WeakSet[StorageData]" = weakref.WeakSet()  # storages with a concrete buffer (synchronize)
-_ARRAY = type(jnp.zeros(()))  # the concrete jax array type (fast check)
+_ARRAY = ArrayImpl  # the concrete jax array type (fast check)
 _adopt = RECORDER.adopt
 
 
@@ -77,6 +78,9 @@ class StorageData:
         if type(b) is LazyBuf:
             RECORDER.materialize(b, "materialize")
             b = self.raw_buf
+        elif b is None:  # released (storage.resize_(0)) and used again: fresh memory, as an allocation
+            self.buf = _zeros_flat(-(-self.nbytes // self.dtype.itemsize), dtypes.to_jax(self.dtype))
+            b = self.raw_buf
         return b
 
     @buf.setter
@@ -89,6 +93,19 @@ class StorageData:
             self.counted = True
             MEMORY.add(self.nbytes)
             _LIVE.add(self)
+
+    def release(self) -> None:
+        """Drop the device buffer (``storage.resize_(0)``: FSDP2 frees unsharded parameters so between
+        uses). The storage keeps its size; its next use gets a fresh zero buffer."""
+        if self.counted:
+            MEMORY.sub(self.nbytes)
+            self.counted = False
+            _LIVE.discard(self)
+        self.raw_buf = None
+
+    @property
+    def released(self) -> bool:
+        return self.raw_buf is None
 
     def retype(self, dtype: torch.dtype) -> None:
         """Hold the buffer as ``dtype`` elements: the same bytes, reinterpreted."""
@@ -146,7 +163,9 @@ def to_device(host) -> jax.Array:
     (``jnp.asarray`` of a numpy array compiles a program per shape, which a stream of new shapes
     pays again and again). The copy is made on the host first: on the CPU backend the device array
     would otherwise share ``host``'s memory, which its owner may change."""
-    return jax.device_put(np.array(host, order="C", copy=True))
+    host = np.array(host, order="C", copy=True)
+    metrics.record_host_transfer(host.nbytes)
+    return jax.device_put(host)
 
 
 _SMALL = 1 << 20  # elements: below this a zero buffer is a host transfer, not a compiled fill
@@ -356,9 +375,16 @@ def _write_on_host(buf, lay, bits, value, dtype):
     size = lay[0]
     if lay[2] == 0 and buf.size == math.prod(size) and _layout.is_contiguous(size, lay[1]):
         return to_device(np.broadcast_to(value, size)).reshape(buf.shape)
-    flat = np.array(jax.device_get(buf)).reshape(-1)  # a private copy to write into
+    flat = np.array(to_host(buf)).reshape(-1)  # a private copy to write into
     _host_view(flat, lay, writeable=True)[...] = value
     return to_device(flat).reshape(buf.shape)
+
+
+def to_host(arrays):
+    """``jax.device_get`` of a device array (or a list of them), counted in ``host_transfer_bytes``:
+    every device->host read of the runtime goes through here or ``to_numpy_host``."""
+    metrics.record_host_transfer(sum(a.nbytes for a in arrays) if isinstance(arrays, list) else arrays.nbytes)
+    return jax.device_get(arrays)
 
 
 def to_numpy_host(t: torch.Tensor) -> np.ndarray:
@@ -371,11 +397,11 @@ def to_numpy_host(t: torch.Tensor) -> np.ndarray:
         bits = _layout.math_bits(t)
         lay = layout(t)
         if bits is None and covers_storage(t, buf):
-            return np.asarray(jax.device_get(buf)).reshape(lay[0])
+            return np.asarray(to_host(buf)).reshape(lay[0])
         if buf.size <= _HOST_STRIDED_MAX or 4 * math.prod(lay[0]) >= buf.size:
-            flat = np.asarray(jax.device_get(buf)).reshape(-1)
+            flat = np.asarray(to_host(buf)).reshape(-1)
             return _host_bits(np.array(_host_view(flat, lay)), bits)
-        return np.asarray(jax.device_get(logical_value(t)))
+        return np.asarray(to_host(logical_value(t)))
     except Exception as e:  # a fused graph still in flight failed: name the lines that recorded it
         RECORDER.explain(e)
         raise

@@ -4,13 +4,17 @@
 tensors across processes; results land in the caller's own tensors, as with
 NCCL on CUDA.
 
-Transport: one tpu device per process (DESIGN.md), so processes share no XLA
-runtime and the bytes of a collective move over gloo on host buffers. Each
-collective flushes pending DeferAndFuse work, copies the tpu inputs to host,
-runs the gloo collective, and writes results back into the SAME tpu tensors
-(in place) when the work completes. CPU tensors sent through a ``tpu`` group
-take the same route minus the copies (gloo works on them in place), so a
-default group made with ``"tpu"`` serves both devices.
+Transport: one tpu device per process (DESIGN.md). The default group's
+creation also starts JAX's multi-process runtime (``runtime.py``), so a
+collective on tpu tensors runs as one XLA program over the group's devices
+(``xla.py``) and its result lands in the SAME tpu tensors (in place): nothing
+is copied to host memory. CPU tensors sent through a ``tpu`` group go to gloo
+(in place), so a default group made with ``"tpu"`` serves both devices; object
+collectives are CPU tensors too. Where JAX's multi-process runtime could not
+start (JAX ran before ``init_process_group``, ``TORCHTPU_DIST_TRANSPORT=host``)
+and inside ``host_staged()``, tpu tensors take the host-staged route instead:
+copied to host, reduced by gloo, copied back (counted in
+``torchtpu.metrics.snapshot()["host_transfer_bytes"]``).
 
 Safety: before every collective the ranks exchange a small descriptor (the
 collective, dtype, element counts, root, reduce op, split sizes). A rank that
@@ -39,17 +43,19 @@ import datetime
 import math
 import os
 import threading
-
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .base import dtypes
-from .runtime import storage
-from .runtime.recorder import RECORDER
+from ..base import dtypes, metrics
+from ..runtime import storage
+from ..runtime.recorder import RECORDER
+from . import runtime as _runtime
+from .xla import GroupMesh
 
 BACKEND_NAME = "tpu"
 _C = torch._C._distributed_c10d
@@ -64,6 +70,18 @@ _local = threading.local()
 
 def _checks_enabled() -> bool:
     return os.environ.get("TORCHTPU_DIST_CHECK", "1") != "0" and not getattr(_local, "agreed", 0)
+
+
+@contextlib.contextmanager
+def host_staged():
+    """Collectives this thread issues inside move tpu tensors through host memory and gloo (the
+    route taken without JAX's multi-process runtime), not as XLA programs: for comparisons
+    (benchmarks/bench_collectives.py) and for tests of that route."""
+    _local.staged = getattr(_local, "staged", 0) + 1
+    try:
+        yield
+    finally:
+        _local.staged -= 1
 
 
 @contextlib.contextmanager
@@ -154,7 +172,9 @@ def _host_in(t: torch.Tensor, writable: bool = True) -> torch.Tensor:
     array alive (numpy's base), so it cannot be freed or donated meanwhile.
     """
     if _is_tpu(t):
-        arr = np.asarray(storage.logical_value(t))  # the device->host transfer (a view on the CPU backend)
+        value = storage.logical_value(t)
+        metrics.record_host_transfer(value.nbytes)
+        arr = np.asarray(value)  # the device->host transfer (a view on the CPU backend)
         if arr.ndim == 0:
             arr = arr.reshape(1)
         if writable and not arr.flags.writeable or not arr.flags.c_contiguous:
@@ -194,6 +214,7 @@ def _write_back(pairs) -> None:
 def _to_device(h: torch.Tensor, dev):
     """A jax array on ``dev`` with host tensor ``h``'s value (``h`` must not change afterwards)."""
     want = np.dtype(dtypes.to_jax(h.dtype))
+    metrics.record_host_transfer(h.numel() * h.element_size())
     try:
         # zero-copy where the memory is already the device's (CPU backend): a fresh copy of a
         # large buffer costs as much as the gloo transfer itself here
@@ -205,6 +226,17 @@ def _to_device(h: torch.Tensor, dev):
     if dev not in y.devices():
         y = jax.device_put(y, dev)
     return y
+
+
+def _land(t: torch.Tensor, value) -> None:
+    """Put the flat jax array ``value`` (an XLA collective's result) into tpu tensor ``t``, in place."""
+    storage.write_value(t, value.reshape(t.shape))
+
+
+def _xla_op(redop: int) -> str:
+    """The reduce op's name in ``xla.py`` (validated by ``_reduce_plan`` first)."""
+    name = _REDOP_NAMES[redop].lower()
+    return "prod" if name == "product" else name
 
 
 # gloo reduces these dtypes natively; others go through a wider type
@@ -297,8 +329,16 @@ class _Work(dist.Work):
 class ProcessGroupTPU(dist.ProcessGroup):
     """The ``tpu`` process group: collectives on tpu (and CPU) tensors over gloo host buffers."""
 
-    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta):
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, global_ranks=None):
         super().__init__(rank, size)
+        if not global_ranks:  # the default group: JAX's multi-process runtime comes up with it
+            global_ranks = list(range(size))
+            _runtime.start(store, rank, size, timeout.total_seconds())
+        self.global_ranks = list(global_ranks)
+        # the XLA transport: this group's ranks as a mesh of their processes' devices
+        self._mesh = GroupMesh(_runtime.rank_devices(self.global_ranks), rank) \
+            if _runtime.xla_transport_active() else None
+        self._pair_meshes = {}
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
         # the group's name (and _get_backend("cpu")) live in a registered backend
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
@@ -316,6 +356,39 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def __repr__(self):
         return f"ProcessGroupTPU(rank={self._rank}, size={self._size})"
 
+    # -------------------------------------------------------------- transport
+    def _use_xla(self, tensors) -> bool:
+        """Does this call run as an XLA program (tpu tensors, the XLA transport on, not host_staged())?"""
+        return self._mesh is not None and not getattr(_local, "staged", 0) and all(_is_tpu(t) for t in tensors)
+
+    def _send_payload(self, src: int, dst: int, local):
+        """A point-to-point payload from group rank ``src`` to ``dst``: a ppermute on the mesh of the two
+        ranks' devices (in rank order, whichever way the bytes go); both ranks call it."""
+        pair = (min(src, dst), max(src, dst))
+        if pair not in self._pair_meshes:
+            devs = self._mesh.devices
+            self._pair_meshes[pair] = GroupMesh([devs[pair[0]], devs[pair[1]]], pair.index(self._rank))
+        return self._pair_meshes[pair].run("permute", local, ((pair.index(src), pair.index(dst)),))
+
+    def _widest(self, rows, send, recv) -> int:
+        """The largest all_to_all chunk any rank sends (from the descriptor table, else one exchange)."""
+        w = self._size
+        if rows is not None:
+            return max(max(r[_HDR:_HDR + 2 * w]) for r in rows)
+        m = torch.tensor([max(max(send), max(recv))], dtype=torch.int64)
+        self._gloo.allreduce([m], self._max_opts()).wait()
+        return int(m.item())
+
+    @staticmethod
+    def _max_opts():
+        o = _C.AllreduceOptions()
+        o.reduceOp = _RedOp(_RT.MAX)
+        return o
+
+    def _zeros(self, n: int, dtype: torch.dtype):
+        """A flat jax zero block on this rank's device (made there: no host transfer)."""
+        return jnp.zeros((n,), dtypes.to_jax(dtype), device=self._mesh.device)
+
     # -------------------------------------------------------------- agreement
     def _agree(self, op, dtype=None, numel=0, root=0, redop=0, count=0, send=None, recv=None, error=None):
         """Exchange descriptors; raise on every rank if the ranks' calls do not match.
@@ -327,7 +400,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         if not _checks_enabled():
             if error is not None:
                 raise error
-            return
+            return None
         self.descriptor_exchanges += 1
         w = self._size
         desc = torch.zeros(_HDR + 2 * w, dtype=torch.int64)
@@ -370,6 +443,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             raise RuntimeError(
                 f"torchtpu distributed: mismatched collective across the ranks of group "
                 f"{self._name_or_default()} (this is rank {self._rank}): {calls}")
+        return rows
 
     def _name_or_default(self):
         try:
@@ -453,6 +527,15 @@ class ProcessGroupTPU(dist.ProcessGroup):
             except (TypeError, ValueError) as e:
                 error, dtype = e, None
             self._agree(op, dtype, sum(t.numel() for t in tensors), redop=redop, count=len(tensors), error=error)
+            if self._use_xla(tensors):
+                flats = [storage.flat_value(t) for t in tensors]
+                out = self._mesh.run("reduce", flats[0] if len(flats) == 1 else jnp.concatenate(flats),
+                                     _xla_op(redop))
+                off = 0
+                for t in tensors:
+                    _land(t, out if len(tensors) == 1 else out[off:off + t.numel()])
+                    off += t.numel()
+                return _Work([], None, list(tensors))
             hosts = [_host_in(t) for t in tensors]
             # one flat buffer: a single gloo collective whatever the number of tensors
             flat = torch.cat([self._to_work(h, work_dtype).reshape(-1) for h in hosts]) if len(hosts) > 1 \
@@ -488,6 +571,11 @@ class ProcessGroupTPU(dist.ProcessGroup):
             except (TypeError, ValueError) as e:
                 error = e
             self._agree("reduce", t.dtype, t.numel(), root=root, redop=redop, error=error)
+            if self._use_xla([t]):
+                out = self._mesh.run("reduce", storage.flat_value(t), _xla_op(redop))
+                if self._rank == root:
+                    _land(t, out)
+                return _Work([], None, [t])
             h = _host_in(t)
             wv = self._to_work(h, work_dtype)
             buf = wv if wv.is_contiguous() and wv.data_ptr() == h.data_ptr() else wv.contiguous()
@@ -514,6 +602,11 @@ class ProcessGroupTPU(dist.ProcessGroup):
             _flush()
             t = tensors[0]
             self._agree("broadcast", t.dtype, t.numel(), root=root)
+            if self._use_xla([t]):
+                out = self._mesh.run("broadcast", storage.flat_value(t), root)
+                if self._rank != root:
+                    _land(t, out)
+                return _Work([], None, [t])
             h = _host_in(t, writable=False) if self._rank == root else _host_out(t)
             gopts = self._gloo_timeout(opts, _C.BroadcastOptions())
             gopts.rootRank = root
@@ -536,6 +629,12 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 error = ValueError("torchtpu distributed: all_gather: every output tensor must have the "
                                    f"input's size and dtype ({list(t.shape)}, {t.dtype})")
             self._agree("all_gather", t.dtype, t.numel(), error=error)
+            if self._use_xla([t, *outs]):
+                res = self._mesh.run("all_gather", storage.flat_value(t))
+                k = t.numel()
+                for r, o in enumerate(outs):
+                    _land(o, res[r * k:(r + 1) * k])
+                return _Work([], None, [outs])
             h = _host_in(t, writable=False)
             flat = torch.empty((self._size,) + tuple(h.shape), dtype=h.dtype)
             work = self._gloo._allgather_base(_bytes_flat(flat), _bytes_flat(h),
@@ -556,6 +655,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
                     f"torchtpu distributed: all_gather_into_tensor: output has {output.numel()} elements of "
                     f"{output.dtype}, expected {self._size} x {input.numel()} of {input.dtype}")
             self._agree("all_gather_into_tensor", input.dtype, input.numel(), error=error)
+            if self._use_xla([input, output]):
+                _land(output, self._mesh.run("all_gather", storage.flat_value(input)))
+                return _Work([], None, [output])
             h = _host_in(input, writable=False)
             o = _host_out(output)
             work = self._gloo._allgather_base(_bytes_flat(o), _bytes_flat(h),
@@ -621,6 +723,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
             except (TypeError, ValueError) as e:
                 error = e
             self._agree(op, output.dtype, output.numel(), redop=redop, error=error)
+            if self._use_xla([input, output]):
+                _land(output, self._mesh.run("reduce_scatter", storage.flat_value(input), _xla_op(redop)))
+                return _Work([], None, [output])
             h = _host_in(input)
             wv = self._to_work(h, work_dtype).reshape(-1)
             o = _host_out(output)
@@ -659,8 +764,13 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 error = e
                 in_splits = [0] * w
                 out_splits = [0] * w
-            self._agree("all_to_all_single", input.dtype, send=[s * row_in for s in in_splits],
-                        recv=[s * row_out for s in out_splits], error=error)
+            send = [s * row_in for s in in_splits]
+            recv = [s * row_out for s in out_splits]
+            rows = self._agree("all_to_all_single", input.dtype, send=send, recv=recv, error=error)
+            if self._use_xla([input, output]):
+                _land(output, self._mesh.all_to_all(storage.flat_value(input), send, recv,
+                                                    self._widest(rows, send, recv)))
+                return _Work([], None, [output])
             h = _host_in(input, writable=False)
             o = _host_out(output)
             hb = _bytes_rows(h)
@@ -685,7 +795,16 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 error = TypeError("torchtpu distributed: all_to_all: every tensor must share one dtype")
             send = [t.numel() for t in inputs] if error is None else [0] * w
             recv = [t.numel() for t in outputs] if error is None else [0] * w
-            self._agree("all_to_all", dtype, send=send, recv=recv, count=w, error=error)
+            rows = self._agree("all_to_all", dtype, send=send, recv=recv, count=w, error=error)
+            if self._use_xla([*inputs, *outputs]):
+                local = jnp.concatenate([storage.flat_value(t) for t in inputs]) if sum(send) else \
+                    self._zeros(0, dtype)
+                res = self._mesh.all_to_all(local, send, recv, self._widest(rows, send, recv))
+                off = 0
+                for t, n in zip(outputs, recv):
+                    _land(t, res[off:off + n])
+                    off += n
+                return _Work([], None, list(outputs))
             # one flat exchange: inputs packed in rank order, outputs unpacked likewise
             hin = torch.cat([_host_in(t, writable=False).reshape(-1) for t in inputs]) if sum(send) else \
                 torch.empty(0, dtype=dtype)
@@ -713,6 +832,13 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 error = ValueError(f"torchtpu distributed: gather: the root needs gather_list of {self._size} "
                                    f"tensors of {t.numel()} {t.dtype} elements")
             self._agree("gather", t.dtype, t.numel(), root=root, error=error)
+            if self._use_xla([t, *outs]):
+                res = self._mesh.run("all_gather", storage.flat_value(t))
+                if self._rank == root:
+                    k = t.numel()
+                    for r, o in enumerate(outs):
+                        _land(o, res[r * k:(r + 1) * k])
+                return _Work([], None, [outs] if self._rank == root else [])
             h = _host_in(t, writable=False)
             gopts = self._gloo_timeout(opts, _C.GatherOptions())
             gopts.rootRank = root
@@ -740,6 +866,11 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 error = ValueError(f"torchtpu distributed: scatter: the root needs scatter_list of {self._size} "
                                    f"tensors of {t.numel()} {t.dtype} elements")
             self._agree("scatter", t.dtype, t.numel(), root=root, error=error)
+            if self._use_xla([t, *ins]):
+                local = jnp.concatenate([storage.flat_value(i) for i in ins]) if self._rank == root else \
+                    self._zeros(self._size * t.numel(), t.dtype)
+                _land(t, self._mesh.run("scatter", local, root))
+                return _Work([], None, [t])
             o = _host_out(t)
             gopts = self._gloo_timeout(opts, _C.ScatterOptions())
             gopts.rootRank = root
@@ -761,15 +892,21 @@ class ProcessGroupTPU(dist.ProcessGroup):
             return _Work([work], None, [])
 
     # -------------------------------------------------------------- point to point
-    # A header (dtype, element count) goes before every payload so that a receive
-    # into a buffer of another size or dtype fails with a clear error.
+    # A header (dtype, element count, route) goes before every payload over gloo, so that a receive
+    # into a buffer of another size or dtype fails with a clear error, and the receiver takes the
+    # payload the way the sender sent it (an XLA ppermute for a tpu tensor, gloo for a CPU one)
+    # whatever its own tensor's device.
     def send(self, tensors, dst, tag=0):
         with self._lock:
             _flush()
             t = tensors[0]
-            hdr = torch.tensor([_MAGIC, _dtype_code(t.dtype), t.numel()], dtype=torch.int64)
-            h = _host_in(t, writable=False)
+            on_xla = self._use_xla([t])
+            hdr = torch.tensor([_MAGIC, _dtype_code(t.dtype), t.numel(), int(on_xla)], dtype=torch.int64)
             w1 = self._gloo.send([hdr], dst, tag)
+            if on_xla:
+                self._send_payload(self._rank, dst, storage.flat_value(t))
+                return _Work([w1], None, [t])
+            h = _host_in(t, writable=False)
             w2 = self._gloo.send([_bytes_flat(h)], dst, tag)
             return _Work([w1, w2], None, [t])
 
@@ -783,25 +920,36 @@ class ProcessGroupTPU(dist.ProcessGroup):
         with self._lock:
             _flush()
             t = tensors[0]
-            hdr = torch.zeros(3, dtype=torch.int64)
+            hdr = torch.zeros(4, dtype=torch.int64)
             if src is None:
                 hw = self._gloo.recv_anysource([hdr], tag)
                 hw.wait()
                 src = hw.source_rank()
             else:
                 self._gloo.recv([hdr], src, tag).wait()
-            magic, code, numel = hdr.tolist()
+            magic, code, numel, on_xla = hdr.tolist()
             if magic != _MAGIC or code != _dtype_code(t.dtype) or numel != t.numel():
                 # take the payload off the wire so the sender completes, then fail here
                 if magic == _MAGIC and 0 < code <= len(_DTYPES):
-                    scratch = torch.empty(numel * _DTYPES[code - 1].itemsize, dtype=torch.uint8)
-                    self._gloo.recv([scratch], src, tag).wait()
+                    if on_xla:
+                        self._send_payload(src, self._rank, self._zeros(numel, _DTYPES[code - 1]))
+                    else:
+                        scratch = torch.empty(numel * _DTYPES[code - 1].itemsize, dtype=torch.uint8)
+                        self._gloo.recv([scratch], src, tag).wait()
                 raise RuntimeError(
                     f"torchtpu distributed: recv from rank {src} (tag {tag}) got {numel} elements of "
                     f"{_dtype_name(code)}, but the receive tensor holds {t.numel()} elements of {t.dtype}")
+            source = src
+            if on_xla:
+                got = self._send_payload(src, self._rank, self._zeros(t.numel(), t.dtype))
+                if _is_tpu(t):
+                    _land(t, got)
+                else:  # a CPU receive tensor of a tpu send
+                    with torch.no_grad():
+                        t.copy_(dtypes.numpy_to_torch(np.asarray(storage.to_host(got)), t.dtype).reshape(t.shape))
+                return _Work([], None, [t], source_rank=lambda: source)
             o = _host_out(t)
             work = self._gloo.recv([_bytes_flat(o)], src, tag)
-            source = src
             return _Work([work], lambda: _write_back([(t, o)]), [t], source_rank=lambda: source)
 
 
@@ -869,8 +1017,9 @@ def _install_sharded_tensor_device() -> None:
         return torch.device(torch.cuda.current_device())
 
 
-def _create(store, rank, size, timeout):
-    return ProcessGroupTPU(store, rank, size, timeout)
+def _create(opts, backend_options=None):
+    return ProcessGroupTPU(opts.store, opts.group_rank, opts.group_size, opts.timeout,
+                           list(opts.global_ranks_in_group))
 
 
 _registered = False
@@ -886,9 +1035,9 @@ def register() -> None:
     if _registered or not dist.is_available():
         return
     if BACKEND_NAME not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=False, devices=["tpu", "cpu"])
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["tpu", "cpu"])
     _install_sharded_tensor_device()
     _registered = True
 
 
-__all__ = ["BACKEND_NAME", "ProcessGroupTPU", "agreed_arguments", "register"]
+__all__ = ["BACKEND_NAME", "ProcessGroupTPU", "agreed_arguments", "host_staged", "register"]
