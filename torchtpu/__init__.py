@@ -41,9 +41,9 @@ _fallback.install()  # everything else: the CPU fallback
 
 from . import bucketing, serialization as _serialization  # noqa: E402
 from .dispatch.fallback import TPUFallbackWarning, cpu_fallback_enabled, set_cpu_fallback  # noqa: E402
-from .dispatch.kernel import index_bound_checks_enabled, set_index_bound_checks  # noqa: E402
 from .dispatch.storm import set_shape_storm_policy, shape_storm_policy  # noqa: E402
 from .interop import assign_jax, from_jax, to_jax  # noqa: E402
+from .runtime.checks import DeviceIndexError  # noqa: E402
 from .runtime.modes import (  # noqa: E402
     enable_persistent_cache,
     execution_mode,
@@ -69,6 +69,7 @@ def device() -> torch.device:
 
 
 __all__ = [
+    "DeviceIndexError",
     "TPUFallbackWarning",
     "assign_jax",
     "bucketing",
@@ -78,11 +79,9 @@ __all__ = [
     "execution_mode",
     "from_jax",
     "get_execution_mode",
-    "index_bound_checks_enabled",
     "metrics",
     "set_cpu_fallback",
     "set_execution_mode",
-    "set_index_bound_checks",
     "set_shape_storm_policy",
     "shape_storm_policy",
     "sync",

@@ -16,7 +16,7 @@ import threading
 import jax
 import torch
 
-from . import storage
+from . import checks, storage
 from .recorder import RECORDER
 
 MODES = ("strict_eager", "defer_and_fuse")
@@ -93,6 +93,7 @@ def synchronize() -> None:
         except Exception as e:
             RECORDER.explain(e)
             raise
+    checks.raise_pending()
 
 
 def sync() -> None:

@@ -109,8 +109,8 @@ class Recorder:
     as a loop body), ``max_in_flight`` (``TORCHTPU_MAX_IN_FLIGHT``, dispatched graphs not yet
     waited for), ``flush_after_backward`` (``TORCHTPU_FLUSH_AFTER_BACKWARD``)."""
 
-    __slots__ = ("lock", "pending", "_ext", "_ext_slot", "_owners", "_graph_cache", "_inflight", "_prefix",
-                 "_pow", "_last_pos", "_period", "_bw_task", "max_pending", "min_loop_period", "max_in_flight",
+    __slots__ = ("lock", "pending", "_ext", "_ext_slot", "_owners", "_watched", "_graph_cache", "_inflight",
+                 "_prefix", "_pow", "_last_pos", "_period", "_bw_task", "max_pending", "min_loop_period", "max_in_flight",
                  "flush_after_backward")
 
     def __init__(self):
@@ -121,6 +121,7 @@ class Recorder:
         # and an old parameter read by the forward and the optimizer can still be donated)
         self._ext_slot: dict = {}
         self._owners: list = []  # weakrefs to storages that were handed a LazyBuf
+        self._watched: list = []  # pending buffers no storage holds that the next flush must compute
         self._graph_cache: dict = {}
         # fused graphs dispatched but not yet waited for: (weakrefs to their results, their nodes). The
         # bound keeps Python from queueing unbounded work (and memory) ahead of XLA; 2 lets step N+1
@@ -201,6 +202,12 @@ class Recorder:
         """Storage ``sd`` now holds a pending buffer: a flush computes it if ``sd`` is still alive."""
         self._owners.append(_weakref(sd))
 
+    def watch(self, buf: LazyBuf) -> None:
+        """Pending buffer ``buf`` (a device-side check's result, runtime/checks.py) is an output of
+        the next flush though no storage holds it."""
+        with self.lock:
+            self._watched.append(buf)
+
     def _note_backward(self):
         """Inside a backward pass (the autograd engine's thread), queue one flush for its end."""
         import torch  # only the optional backward trigger needs torch here
@@ -250,8 +257,8 @@ class Recorder:
         with self.lock:
             if not self.pending:
                 return
-            nodes, owners, ext = self.pending, self._owners, self._ext
-            self.pending, self._owners, self._ext = [], [], []
+            nodes, owners, ext, watched = self.pending, self._owners, self._ext, self._watched
+            self.pending, self._owners, self._ext, self._watched = [], [], [], []
             self._ext_slot.clear()
             self._prefix[:] = [0]
             self._last_pos.clear()
@@ -265,7 +272,7 @@ class Recorder:
                     live_sds.append(sd)
             live = []
             seen = set()
-            for b in [sd.raw_buf for sd in live_sds] + list(keep):
+            for b in [sd.raw_buf for sd in live_sds] + list(keep) + watched:
                 # (a buffer of a failed earlier graph, pos -1, is not this graph's: it raises on use)
                 if b.value is None and id(b) not in seen and b.node.pos >= 0:
                     seen.add(id(b))

@@ -27,6 +27,7 @@ import torch
 from ..base import dtypes
 from ..base.memory import MEMORY
 from . import layout as _layout
+from . import checks
 from .recorder import RECORDER, LazyBuf
 
 _DEV = None  # torch.device("tpu", 0), set once the backend is renamed
@@ -371,11 +372,14 @@ def to_numpy_host(t: torch.Tensor) -> np.ndarray:
         bits = _layout.math_bits(t)
         lay = layout(t)
         if bits is None and covers_storage(t, buf):
-            return np.asarray(jax.device_get(buf)).reshape(lay[0])
-        if buf.size <= _HOST_STRIDED_MAX or 4 * math.prod(lay[0]) >= buf.size:
+            host = np.asarray(jax.device_get(buf)).reshape(lay[0])
+        elif buf.size <= _HOST_STRIDED_MAX or 4 * math.prod(lay[0]) >= buf.size:
             flat = np.asarray(jax.device_get(buf)).reshape(-1)
-            return _host_bits(np.array(_host_view(flat, lay)), bits)
-        return np.asarray(jax.device_get(logical_value(t)))
+            host = _host_bits(np.array(_host_view(flat, lay)), bits)
+        else:
+            host = np.asarray(jax.device_get(logical_value(t)))
     except Exception as e:  # a fused graph still in flight failed: name the lines that recorded it
         RECORDER.explain(e)
         raise
+    checks.raise_pending()  # the host waited: the device-side index checks of earlier ops are in
+    return host
