@@ -78,7 +78,7 @@ def parse_args(algo: str, argv=None, **defaults):
 def run(algo: str, args, learner_extra: dict | None = None) -> dict:
     """Build the topology, train, write ``metrics.json`` and ``reward.png``; returns the summary."""
     if args.xla_cache:
-        os.environ.setdefault("TORCHTPU_COMPILATION_CACHE_DIR", os.path.abspath(args.xla_cache))
+        os.environ.setdefault("TORCHTPU_CACHE_DIR", os.path.abspath(args.xla_cache))
     import ray
 
     from torchtpu_rl.driver import PromptDataset, RLDriver, ray_session

@@ -25,6 +25,11 @@ jax.config.update("jax_enable_x64", True)
 
 import torch  # noqa: E402
 
+from .base import xla_cache  # noqa: E402
+
+# before anything compiles: on by default, TORCHTPU_CACHE_DIR moves it, TORCHTPU_CACHE_DIR=0 turns it off
+xla_cache.configure_persistent_cache()
+
 from .base import metrics  # noqa: E402
 from .runtime import device as _device  # noqa: E402
 
@@ -44,8 +49,8 @@ from .dispatch.fallback import TPUFallbackWarning, cpu_fallback_enabled, set_cpu
 from .dispatch.storm import set_shape_storm_policy, shape_storm_policy  # noqa: E402
 from .interop import assign_jax, from_jax, to_jax  # noqa: E402
 from .runtime.checks import DeviceIndexError  # noqa: E402
+from .base.xla_cache import disable_persistent_cache, enable_persistent_cache  # noqa: E402
 from .runtime.modes import (  # noqa: E402
-    enable_persistent_cache,
     execution_mode,
     get_execution_mode,
     set_execution_mode,
@@ -55,8 +60,6 @@ from .runtime.modes import (  # noqa: E402
 
 _serialization.install()
 
-if os.environ.get("TORCHTPU_COMPILATION_CACHE_DIR"):
-    enable_persistent_cache(os.environ["TORCHTPU_COMPILATION_CACHE_DIR"])
 
 from . import distributed as _distributed  # noqa: E402
 
@@ -75,6 +78,7 @@ __all__ = [
     "bucketing",
     "cpu_fallback_enabled",
     "device",
+    "disable_persistent_cache",
     "enable_persistent_cache",
     "execution_mode",
     "from_jax",

@@ -372,7 +372,7 @@ class Topology:
 def _actor_env() -> dict:
     """Environment for our actors: inherit the XLA/thread settings and the compilation cache,
     so every actor compiles the same programs once (the persistent cache is shared on a host)."""
-    keep = ("XLA_FLAGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHTPU_COMPILATION_CACHE_DIR",
+    keep = ("XLA_FLAGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHTPU_CACHE_DIR",
             "TORCHTPU_EXECUTION_MODE", "JAX_ENABLE_X64")
     return {k: os.environ[k] for k in keep if k in os.environ}
 

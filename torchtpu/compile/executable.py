@@ -315,6 +315,7 @@ class GraphProgram:
             donate = all(ids[id(arrays[k])] == 1 for k in self.donate_pos)
         fn = (e.donating if donate else e.plain) or self._jit(e, statics, env, donate)
         keys = [next_key_data() for _ in self.random_nodes]
+        metrics.record_graph_run(id(fn))
         if fn is e.donating and e.plain is None and e.static_outs is None:
             with warnings.catch_warnings():  # XLA CPU may decline a donation: harmless
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")

@@ -290,6 +290,9 @@ class Recorder:
             try:
                 hit = self._graph_cache.get(key)
                 if hit is None:
+                    site = next((n.site for n in nodes if n.site is not None), None)
+                    where = f"{site[0]}:{site[1]}" if site else "unknown"
+                    metrics.record_miss(f"fused graph from {where}")
                     with warnings.catch_warnings():
                         # XLA may decline a donation (e.g. no output of that shape): harmless
                         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -297,10 +300,8 @@ class Recorder:
                         compiled = jitted.lower(*ext).compile()
                     hit = (compiled, _transient_bytes(compiled))
                     self._graph_cache[key] = hit
-                    site = next((n.site for n in nodes if n.site is not None), None)
-                    where = f"{site[0]}:{site[1]}" if site else "unknown"
-                    metrics.record_miss(f"fused graph from {where}")
                 fused, transient = hit
+                metrics.record_graph_run(id(fused))
                 # the device also holds this graph's temporaries and outputs while it runs
                 MEMORY.note_transient(transient)
                 results = fused(*ext)  # returns once dispatched: XLA runs it while Python goes on
