@@ -25,7 +25,10 @@ jax.config.update("jax_enable_x64", True)
 
 import torch  # noqa: E402
 
+from .base import platform as _platform  # noqa: E402
 from .base import xla_cache  # noqa: E402
+
+_platform.select()  # TORCHTPU_PLATFORM=tpu|cuda|cpu, before any JAX backend starts
 
 # before anything compiles: on by default, TORCHTPU_CACHE_DIR moves it, TORCHTPU_CACHE_DIR=0 turns it off
 xla_cache.configure_persistent_cache()
@@ -64,6 +67,7 @@ _serialization.install()
 from . import distributed as _distributed  # noqa: E402
 
 _distributed.register()  # the "tpu" torch.distributed backend
+_platform.warn_if_fell_back()  # an accelerator runtime installed, but the device is XLA's CPU backend
 
 
 def device() -> torch.device:

@@ -341,7 +341,7 @@ def report() -> str:
         f"  persistent cache: {c['hits']}/{c['requests']} hits ({pct(c['hit_rate'])}), loads {c['load_s']:.2f} s",
         f"  new XLA compiles: {c['xla_compiles']}, {c['compile_s']:.2f} s",
         f"  in-process executables: {c['executable_lookups']} lookups, hit rate {pct(c['executable_hit_rate'])}",
-        f"  unique graphs per step (last {min(len(steps), 8)} of {len(steps)} steps): {steps[-8:] or 'no steps marked'}",
+        f"  unique graphs per step (last {min(len(steps), 8)} of {len(steps)}): {steps[-8:] or 'no steps marked'}",
     ]
     top = list(c["compile_s_by_graph"].items())[:5]
     if top:
