@@ -17,8 +17,8 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # PyTorch's CPU kernel once the op has many executables, which the whole suite in one process reaches
 # for common ops: tests check the lowerings, so it is off here unless a test turns it on.
 os.environ.setdefault("TORCHTPU_STORM_EXECUTABLES", "0")
-# XLA's CPU backend on purpose (torch.tpu.is_available() is true then); TORCHTPU_PLATFORM=cuda or tpu
-# runs the tests on an accelerator
+# XLA's CPU backend on purpose (no fallback warning); TORCHTPU_PLATFORM=cuda or tpu runs the tests on an
+# accelerator
 os.environ.setdefault("TORCHTPU_PLATFORM", "cpu")
 
 # The persistent compilation cache (on by default, in the user's ~/.cache) goes to a directory of this

@@ -3,9 +3,10 @@
 ``TORCHTPU_PLATFORM=tpu|cuda|cpu`` chooses the platform (JAX's ``jax_platforms``) at import; unset,
 JAX takes the best one installed: a TPU with ``torchtpu[tpu]`` (libtpu), an NVIDIA GPU with
 ``torchtpu[cuda]`` (JAX's CUDA plugin), else XLA's CPU backend. An accelerator platform that is
-installed but not used (the device fell back to CPU) gets one warning at import, and
-``torch.tpu.is_available()`` is true only on an accelerator or where the CPU backend was chosen
-with ``TORCHTPU_PLATFORM=cpu``, as ``torch.cuda.is_available()`` is false on a machine without a GPU.
+installed but not used (the device fell back to CPU) gets one warning at import.
+``torch.tpu.get_device_properties().platform`` says what the device is; ``torch.tpu.is_available()``
+stays true on every platform, because torch's own code (DDP, ``torch._utils``) reads it as "the
+device can be used", which it can, on XLA's CPU backend too.
 """
 
 from __future__ import annotations
@@ -83,11 +84,6 @@ def kind() -> str:
 
 def is_accelerator() -> bool:
     return kind() != "cpu"
-
-
-def available() -> bool:
-    """``torch.tpu.is_available()``: on an accelerator, or on XLA's CPU backend chosen on purpose."""
-    return is_accelerator() or requested() == "cpu"
 
 
 def warn_if_fell_back() -> None:
