@@ -47,7 +47,7 @@ _install.install()  # a kernel per lowering and hand-written kernel, their in-pl
 _decomp.register_decompositions()  # PyTorch's decompositions for ops still without a kernel
 _fallback.install()  # everything else: the CPU fallback
 
-from . import bucketing, serialization as _serialization  # noqa: E402
+from . import bucketing, profiler, serialization as _serialization  # noqa: E402
 from .dispatch.fallback import TPUFallbackWarning, cpu_fallback_enabled, set_cpu_fallback  # noqa: E402
 from .dispatch.storm import set_shape_storm_policy, shape_storm_policy  # noqa: E402
 from .interop import assign_jax, from_jax, to_jax  # noqa: E402
@@ -88,6 +88,7 @@ __all__ = [
     "from_jax",
     "get_execution_mode",
     "metrics",
+    "profiler",
     "set_cpu_fallback",
     "set_execution_mode",
     "set_shape_storm_policy",

@@ -32,7 +32,7 @@ import torch
 import torch._guards
 from torch.utils import _pytree as pytree
 
-from ..base import dtypes, metrics
+from ..base import dtypes, metrics, tracing
 from ..base.opnames import qualified_name, short_name
 from ..base.rng import next_key_data
 from ..bucketing import BucketPolicy
@@ -201,10 +201,11 @@ class GraphProgram:
                 t = node.target
                 sites.op = short_name(t) if isinstance(t, torch._ops.OpOverload) else str(t)
                 sites.where = node.meta.get("stack_trace")
-                if kind == "view":
-                    res = FUNCTIONAL[node.target](functools.partial(_result_type, node, env), *vals, **kw)
-                else:
-                    res = LOWERINGS[qualified_name(node.target)].fn(*vals, **kw)
+                with tracing.named_scope(sites.op):
+                    if kind == "view":
+                        res = FUNCTIONAL[node.target](functools.partial(_result_type, node, env), *vals, **kw)
+                    else:
+                        res = LOWERINGS[qualified_name(node.target)].fn(*vals, **kw)
                 env_nodes[node] = self._fix(node, res, env)
             elif op == "output":
                 outs = [get(o) for o in self.out_leaves]
@@ -319,6 +320,9 @@ class GraphProgram:
         if fn is e.donating and e.plain is None and e.static_outs is None:
             with warnings.catch_warnings():  # XLA CPU may decline a donation: harmless
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                outs, muts, flags = fn(*arrays, *keys)
+        elif tracing.ACTIVE:
+            with tracing.annotate("torchtpu " + self.label):
                 outs, muts, flags = fn(*arrays, *keys)
         else:
             outs, muts, flags = fn(*arrays, *keys)

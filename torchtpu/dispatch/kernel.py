@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import torch
 from torch.utils import _pytree as pytree
 
-from ..base import dtypes, metrics
+from ..base import dtypes, metrics, tracing
 from ..base.opnames import short_name
 from ..base.rng import next_key_data as _next_key_data
 from ..base.frames import user_site
@@ -155,6 +155,12 @@ class Kernel:
 
     # ---------------------------------------------------------------- call
     def __call__(self, *args, **kwargs):
+        if tracing.ACTIVE:  # a torchtpu.profiler trace: the dispatch is an event named for the op
+            with tracing.annotate(self.name):
+                return self._call(args, kwargs)
+        return self._call(args, kwargs)
+
+    def _call(self, args, kwargs):
         if kwargs:
             vals = self.bind(args, kwargs)
         else:
@@ -311,7 +317,7 @@ class Kernel:
                 out_meta = pytree.tree_map(lambda a: (tuple(a.shape), dtypes.to_torch(a.dtype)), shaped)
 
             def flat(*xs):
-                with checks.collecting() as sites:
+                with checks.collecting() as sites, tracing.named_scope(self.name):
                     leaves = tuple(pytree.tree_leaves(inner(*xs)))
                 entry.checks = tuple(sites.messages)
                 return leaves + (sites.output(),) if sites.results else leaves

@@ -43,7 +43,7 @@ import weakref
 
 import jax
 
-from ..base import metrics
+from ..base import metrics, tracing
 from ..base.frames import user_site
 from ..base.memory import MEMORY
 
@@ -304,7 +304,11 @@ class Recorder:
                 metrics.record_graph_run(id(fused))
                 # the device also holds this graph's temporaries and outputs while it runs
                 MEMORY.note_transient(transient)
-                results = fused(*ext)  # returns once dispatched: XLA runs it while Python goes on
+                if tracing.ACTIVE:
+                    with tracing.annotate("torchtpu fused graph"):
+                        results = fused(*ext)
+                else:
+                    results = fused(*ext)  # returns once dispatched: XLA runs it while Python goes on
                 del ext
             except Exception as e:
                 _annotate(e, nodes)
@@ -417,7 +421,8 @@ def _make_graph_fn(spec, outs, nodes):
         for (fn, ins), (name, site) in zip(spec, names):
             args = [ext[i] if type(i) is int else env[i[0]][i[1]] for i in ins]
             try:
-                env.append(fn(*args))
+                with tracing.named_scope(name):
+                    env.append(fn(*args))
             except Exception as e:
                 _add_site_note(e, name, site)
                 raise
