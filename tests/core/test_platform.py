@@ -49,9 +49,11 @@ def test_fell_back_to_cpu_with_an_accelerator_runtime_installed_warns_once(tmp_p
     assert out.stdout.split("RESULT", 1)[1].split() == ["True", "cpu", "4.0"]
     warned = [ln for ln in out.stderr.splitlines() if "support is installed but no such device" in ln]
     assert len(warned) == 1 and "tpu support" in warned[0], out.stderr[-2000:]
-    # nothing installed: no warning
-    out = _python(code, {})
+    # nothing installed: no warning (this process also runs with the persistent compilation cache off)
+    out = _python(code + "; print('CACHE', torchtpu.metrics.snapshot()['cache']['persistent_dir'])",
+                  {"TORCHTPU_CACHE_DIR": "0"})
     assert out.returncode == 0 and "support is installed" not in out.stderr
+    assert out.stdout.split("CACHE", 1)[1].split() == ["None"]
 
 
 @pytest.mark.parametrize("value, message", [

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import logging
 import os
 import platform as _host
 import warnings
 
 import jax
+
+log = logging.getLogger(__name__)
 
 CHOICES = {"tpu": "tpu", "cuda": "cuda", "gpu": "cuda", "cpu": "cpu"}
 # the distributions that bring each accelerator platform (the extras torchtpu[tpu] and torchtpu[cuda])
@@ -44,7 +47,8 @@ def select() -> None:
     want = requested()
     if want is not None:
         jax.config.update("jax_platforms", want)
-        device()  # a platform that cannot start fails here, saying so, not at some first op
+        d = device()  # a platform that cannot start fails here, saying so, not at some first op
+        log.info("TORCHTPU_PLATFORM=%s: the tpu device is %s", want, d)
 
 
 def installed_accelerators() -> list:

@@ -7,9 +7,12 @@ executables at import). Its hits, loads and compile seconds are in ``torchtpu.me
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
+
+log = logging.getLogger(__name__)
 
 
 def enable_persistent_cache(directory: str) -> None:
@@ -46,9 +49,11 @@ def configure_persistent_cache() -> None:
     be made leaves it off, with one warning: the cache saves time, it is never worth failing for."""
     d = default_cache_dir()
     if d is None:
+        log.info("persistent compilation cache off (TORCHTPU_CACHE_DIR)")
         return
     try:
         enable_persistent_cache(d)
+        log.info("persistent compilation cache in %s", d)
     except OSError as e:
         import warnings
 

@@ -19,6 +19,7 @@ error (these checks included) surfaces at its own line.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 
@@ -27,6 +28,8 @@ import numpy as np
 
 from .recorder import RECORDER, LazyBuf
 
+log = logging.getLogger(__name__)
+
 
 def _env_flag(name: str, default: str) -> bool:
     return os.environ.get(name, default) not in ("0", "false", "False", "")
@@ -34,6 +37,8 @@ def _env_flag(name: str, default: str) -> bool:
 
 INDEX_CHECKS = _env_flag("TORCHTPU_INDEX_CHECKS", "1")
 LAUNCH_BLOCKING = _env_flag("TORCHTPU_LAUNCH_BLOCKING", "0")
+if LAUNCH_BLOCKING:
+    log.info("TORCHTPU_LAUNCH_BLOCKING=1: every op and graph waits for the device")
 
 
 class DeviceIndexError(IndexError, RuntimeError):
