@@ -59,7 +59,7 @@ def main():
         args.hidden, args.layers, args.prompts_per_step, args.group_size = 32, 1, 4, 4
         args.max_new_tokens, args.steps, args.blocks = 8, 2, 1
     if args.xla_cache:
-        os.environ.setdefault("TORCHTPU_COMPILATION_CACHE_DIR", os.path.abspath(args.xla_cache))
+        os.environ.setdefault("TORCHTPU_CACHE_DIR", os.path.abspath(args.xla_cache))
 
     import functools
 

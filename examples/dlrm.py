@@ -159,9 +159,12 @@ def train(rank: int, world: int, args) -> dict:
         for k in ("auc", "ne", "calibration"):
             history[k].append(res[k])
 
-    bar = None
+    bar = steps_log = None
     if rank == 0:
+        from step_log import StepLog
         from tqdm import tqdm
+
+        steps_log = StepLog(args.out)  # metrics.jsonl and TensorBoard events, step by step
 
         bar = tqdm(total=args.steps, desc=f"{args.model} on tpu (DMP, {args.layout})", unit="step")
     setup_s = time.time() - t_start  # imports, data, process group, planner, DMP
@@ -180,8 +183,10 @@ def train(rank: int, world: int, args) -> dict:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{lv:.3f}", auc=f"{history['auc'][-1]:.3f}")
+            steps_log.append(step, {"loss": lv, "held_out_auc": history["auc"][-1]})
     if bar is not None:
         bar.close()
+        steps_log.close()
     wall = time.time() - t0
     plan = dmp.plan.plan
     sharding = {name: ps.sharding_type for mod in plan.values() for name, ps in mod.items()}

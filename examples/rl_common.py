@@ -78,7 +78,7 @@ def parse_args(algo: str, argv=None, **defaults):
 def run(algo: str, args, learner_extra: dict | None = None) -> dict:
     """Build the topology, train, write ``metrics.json`` and ``reward.png``; returns the summary."""
     if args.xla_cache:
-        os.environ.setdefault("TORCHTPU_COMPILATION_CACHE_DIR", os.path.abspath(args.xla_cache))
+        os.environ.setdefault("TORCHTPU_CACHE_DIR", os.path.abspath(args.xla_cache))
     import ray
 
     from torchtpu_rl.driver import PromptDataset, RLDriver, ray_session
@@ -113,7 +113,14 @@ def run(algo: str, args, learner_extra: dict | None = None) -> dict:
             if args.resume:
                 driver.load_checkpoint(args.resume)
             t_train = time.perf_counter()
-            history = driver.run(args.steps, progress=not args.no_progress)
+            from step_log import StepLog
+
+            steps_log = StepLog(args.out)  # metrics.jsonl and TensorBoard events, step by step
+            try:
+                history = driver.run(args.steps, progress=not args.no_progress,
+                                     on_step=lambda m: steps_log.append(m["step"], m))
+            finally:
+                steps_log.close()
             train_s = time.perf_counter() - t_train
             if args.checkpoint:
                 driver.save_checkpoint(args.checkpoint)

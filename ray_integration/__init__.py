@@ -6,6 +6,7 @@ from .cluster import (DEFAULT_OBJECT_STORE_MEMORY, DEFAULT_RUN_DIR, LocalHead, N
 from .discovery import HostInfo, SliceInfo, SliceSpec, alive_nodes, discover_slices
 from .host_group import HostContext, HostFailure, HostStatus, TPUHostGroup, current_host, default_backend
 from .placement import SlicePlacementTimeout, SliceReservation, connect, reserve_slices
+from .resources import require_tpu_chips, tpu_actor_options, tpu_capacity
 
 __all__ = [
     "jobs",
@@ -14,4 +15,5 @@ __all__ = [
     "HostInfo", "SliceInfo", "SliceSpec", "discover_slices",
     "HostContext", "HostFailure", "HostStatus", "TPUHostGroup", "current_host", "default_backend",
     "SlicePlacementTimeout", "SliceReservation", "connect", "reserve_slices",
+    "require_tpu_chips", "tpu_actor_options", "tpu_capacity",
 ]

@@ -28,8 +28,11 @@ def _client(address: str):
 def submit(address: str, entrypoint: Union[str, Sequence[str]], *, working_dir: Optional[str] = None,
            env_vars: Optional[Dict[str, str]] = None, runtime_env: Optional[dict] = None,
            submission_id: Optional[str] = None, metadata: Optional[Dict[str, str]] = None,
-           entrypoint_num_cpus: Optional[float] = None, excludes: Optional[List[str]] = None) -> str:
-    """Submit ``entrypoint`` (a shell command string or an argv list); returns the submission id."""
+           entrypoint_num_cpus: Optional[float] = None, excludes: Optional[List[str]] = None,
+           entrypoint_resources: Optional[Dict[str, float]] = None) -> str:
+    """Submit ``entrypoint`` (a shell command string or an argv list); returns the submission id.
+    ``entrypoint_resources`` (e.g. ``{"TPU": 4}``, or ``resources.tpu_actor_options(4)["resources"]``)
+    places the job's driver on a host that has them."""
     if not isinstance(entrypoint, str):
         entrypoint = shlex.join(list(entrypoint))
     if not entrypoint.strip():
@@ -43,6 +46,8 @@ def submit(address: str, entrypoint: Union[str, Sequence[str]], *, working_dir: 
     kwargs = {}
     if entrypoint_num_cpus is not None:
         kwargs["entrypoint_num_cpus"] = entrypoint_num_cpus
+    if entrypoint_resources:
+        kwargs["entrypoint_resources"] = dict(entrypoint_resources)
     return _client(address).submit_job(entrypoint=entrypoint, runtime_env=renv or None,
                                        submission_id=submission_id, metadata=metadata, **kwargs)
 

@@ -17,6 +17,19 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # PyTorch's CPU kernel once the op has many executables, which the whole suite in one process reaches
 # for common ops: tests check the lowerings, so it is off here unless a test turns it on.
 os.environ.setdefault("TORCHTPU_STORM_EXECUTABLES", "0")
+# XLA's CPU backend on purpose (no fallback warning); TORCHTPU_PLATFORM=cuda or tpu runs the tests on an
+# accelerator
+os.environ.setdefault("TORCHTPU_PLATFORM", "cpu")
+
+# The persistent compilation cache (on by default, in the user's ~/.cache) goes to a directory of this
+# session, shared by the processes the tests start and removed at the end.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+_XLA_CACHE = tempfile.mkdtemp(prefix="torchtpu_test_xla_")
+os.environ["TORCHTPU_CACHE_DIR"] = _XLA_CACHE
+atexit.register(shutil.rmtree, _XLA_CACHE, True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

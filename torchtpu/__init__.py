@@ -25,6 +25,14 @@ jax.config.update("jax_enable_x64", True)
 
 import torch  # noqa: E402
 
+from .base import platform as _platform  # noqa: E402
+from .base import xla_cache  # noqa: E402
+
+_platform.select()  # TORCHTPU_PLATFORM=tpu|cuda|cpu, before any JAX backend starts
+
+# before anything compiles: on by default, TORCHTPU_CACHE_DIR moves it, TORCHTPU_CACHE_DIR=0 turns it off
+xla_cache.configure_persistent_cache()
+
 from .base import metrics  # noqa: E402
 from .runtime import device as _device  # noqa: E402
 
@@ -39,13 +47,13 @@ _install.install()  # a kernel per lowering and hand-written kernel, their in-pl
 _decomp.register_decompositions()  # PyTorch's decompositions for ops still without a kernel
 _fallback.install()  # everything else: the CPU fallback
 
-from . import bucketing, serialization as _serialization  # noqa: E402
+from . import bucketing, profiler, serialization as _serialization  # noqa: E402
 from .dispatch.fallback import TPUFallbackWarning, cpu_fallback_enabled, set_cpu_fallback  # noqa: E402
-from .dispatch.kernel import index_bound_checks_enabled, set_index_bound_checks  # noqa: E402
 from .dispatch.storm import set_shape_storm_policy, shape_storm_policy  # noqa: E402
 from .interop import assign_jax, from_jax, to_jax  # noqa: E402
+from .runtime.checks import DeviceIndexError  # noqa: E402
+from .base.xla_cache import disable_persistent_cache, enable_persistent_cache  # noqa: E402
 from .runtime.modes import (  # noqa: E402
-    enable_persistent_cache,
     execution_mode,
     get_execution_mode,
     set_execution_mode,
@@ -55,8 +63,6 @@ from .runtime.modes import (  # noqa: E402
 
 _serialization.install()
 
-if os.environ.get("TORCHTPU_COMPILATION_CACHE_DIR"):
-    enable_persistent_cache(os.environ["TORCHTPU_COMPILATION_CACHE_DIR"])
 
 from . import distributed as _distributed  # noqa: E402
 
@@ -69,20 +75,21 @@ def device() -> torch.device:
 
 
 __all__ = [
+    "DeviceIndexError",
     "TPUFallbackWarning",
     "assign_jax",
     "bucketing",
     "cpu_fallback_enabled",
     "device",
+    "disable_persistent_cache",
     "enable_persistent_cache",
     "execution_mode",
     "from_jax",
     "get_execution_mode",
-    "index_bound_checks_enabled",
     "metrics",
+    "profiler",
     "set_cpu_fallback",
     "set_execution_mode",
-    "set_index_bound_checks",
     "set_shape_storm_policy",
     "shape_storm_policy",
     "sync",

@@ -484,7 +484,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
     if args.xla_cache:
-        os.environ.setdefault("TORCHTPU_COMPILATION_CACHE_DIR", os.path.abspath(args.xla_cache))
+        os.environ.setdefault("TORCHTPU_CACHE_DIR", os.path.abspath(args.xla_cache))
     try:
         s = _setup(args)
     except TrainError:

@@ -443,7 +443,7 @@ class Topology:
 def _actor_env() -> dict:
     """Environment for our actors: inherit the XLA/thread settings and the compilation cache,
     so every actor compiles the same programs once (the persistent cache is shared on a host)."""
-    keep = ("XLA_FLAGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHTPU_COMPILATION_CACHE_DIR",
+    keep = ("XLA_FLAGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHTPU_CACHE_DIR", "TORCHTPU_PLATFORM",
             "TORCHTPU_EXECUTION_MODE", "JAX_ENABLE_X64")
     return {k: os.environ[k] for k in keep if k in os.environ}
 
@@ -465,15 +465,23 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
 
     if not ray.is_initialized():
         raise RuntimeError("make_topology: connect to Ray first (driver.connect_ray())")
+    from ray_integration.resources import require_tpu_chips, tpu_actor_options, tpu_capacity
+
     if not isinstance(num_rollout_workers, int) or num_rollout_workers < 1:
         raise ValueError(f"num_rollout_workers must be a positive int, got {num_rollout_workers!r}")
     ws.check_sync_dtype(sync_dtype)
     base = {"num_cpus": 0, "runtime_env": {"env_vars": _actor_env()}, **(actor_options or {})}
-    lopts = {**base, "max_restarts": max_restarts}
+    # on a TPU cluster the learner and each rollout worker get a chip (the learner on a slice's worker 0)
+    tpu = "resources" not in base and tpu_capacity()
+    if tpu:
+        require_tpu_chips(1 + num_rollout_workers, "make_topology (a learner and "
+                          f"{num_rollout_workers} rollout worker(s))", tpu)
+    lopts = {**base, **(tpu_actor_options(slice_head=True, capacity=tpu) if tpu else {}), "max_restarts": max_restarts}
     largs = ((policy_fn,), {"algo": algo, "learner_kwargs": learner_kwargs, "seed": seed,
                             "bucket_bytes": bucket_bytes, "sync_dtype": sync_dtype})
     learner = ray.remote(LearnerWorker).options(**lopts).remote(*largs[0], **largs[1])
-    wopts = {**base, "max_restarts": max_restarts, "max_concurrency": worker_concurrency}
+    wopts = {**base, **(tpu_actor_options(capacity=tpu) if tpu else {}), "max_restarts": max_restarts,
+             "max_concurrency": worker_concurrency}
     workers = [ray.remote(RolloutWorker).options(**wopts).remote(policy_fn, pad_id, i, engine_kwargs)
                for i in range(num_rollout_workers)]
     reward_actor = None

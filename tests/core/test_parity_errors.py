@@ -239,8 +239,9 @@ case("copy_into_expanded")(lambda d: z(1, d=d).expand(3).copy_(ar(3, d=d)))
 case("index_fill_expanded_values")(lambda d: ar(1, 3, d=d).expand(2, 3).index_fill_(1, t([0], d), -1.0))
 
 
-# ---------------------------------------------------------------- index values, with index bound checks on
-# (index tensors on tpu are read to the host: PyTorch's errors for out-of-range values)
+# ---------------------------------------------------------------- index values, checked on the device
+# (raised at the next host wait, here the .cpu() of the result: PyTorch's message on its first line;
+# an IndexError, and a RuntimeError too where CPU raises that)
 BOUND_CASES = {
     "take": lambda d: z(3, d=d).take(t([5], d)),
     "take_negative": lambda d: z(3, d=d).take(t([-4], d)),
@@ -261,19 +262,16 @@ BOUND_CASES = {
 
 
 @pytest.mark.parametrize("name", list(BOUND_CASES))
-def test_index_bound_checks_give_cpu_errors(name):
-    torchtpu.set_index_bound_checks(True)
-    try:
-        compare_with_cpu(BOUND_CASES[name])
-    finally:
-        torchtpu.set_index_bound_checks(False)
-
-
-def test_out_of_range_tpu_index_is_unchecked_by_default():
-    # no host read per op: an out-of-range gather reads a fill value, never a valid element
-    assert not torchtpu.index_bound_checks_enabled()
-    got = z(3, d="tpu").add(1).take(t([5, 1], "tpu")).cpu()
-    assert torch.isnan(got[0]) and got[1] == 1
+def test_device_index_checks_give_cpu_errors(name):
+    fn = BOUND_CASES[name]
+    cpu_value, cpu_error, _ = _outcome(fn, "cpu")
+    tpu_value, tpu_error, _ = _outcome(lambda d: _to_cpu(fn(d)), "tpu")
+    if cpu_error is None:
+        assert tpu_error is None, tpu_error
+        torch.testing.assert_close(tpu_value, cpu_value)
+        return
+    assert isinstance(tpu_error, torchtpu.DeviceIndexError) and isinstance(tpu_error, type(cpu_error)), tpu_error
+    assert _lead(tpu_error) == _lead(cpu_error), f"\n  cpu: {_lead(cpu_error)}\n  tpu: {_lead(tpu_error)}"
 
 
 # ---------------------------------------------------------------- once-per-process warnings

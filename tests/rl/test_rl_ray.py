@@ -29,13 +29,13 @@ ANSWER_LEN = 4
 @pytest.fixture(scope="module")
 def xla_cache(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("xla_cache"))
-    old = os.environ.get("TORCHTPU_COMPILATION_CACHE_DIR")
-    os.environ["TORCHTPU_COMPILATION_CACHE_DIR"] = d  # inherited by the actors (make_topology)
+    old = os.environ.get("TORCHTPU_CACHE_DIR")
+    os.environ["TORCHTPU_CACHE_DIR"] = d  # inherited by the actors (make_topology)
     yield d
     if old is None:
-        os.environ.pop("TORCHTPU_COMPILATION_CACHE_DIR", None)
+        os.environ.pop("TORCHTPU_CACHE_DIR", None)
     else:
-        os.environ["TORCHTPU_COMPILATION_CACHE_DIR"] = old
+        os.environ["TORCHTPU_CACHE_DIR"] = old
 
 
 def _policy_fn():

@@ -1,7 +1,9 @@
 """Counters of what the runtime did: compiles, cache hits, CPU fallbacks, flushes.
 
-``compiles`` counts real XLA compilations (JAX's own compile events), so it is
-true whichever path asked for them.
+``compiles`` counts the executables XLA built or loaded (JAX's own compile
+events), whichever path asked for them; ``snapshot()["cache"]`` splits them
+into persistent-cache hits and new XLA compilations, with compile seconds per
+graph and unique graphs per step (``mark_step``); ``report()`` prints it all.
 
 Bucketing hooks (used by :mod:`torchtpu.bucketing`): work done inside a
 ``bucket_scope`` has its compiles and cache misses counted per bucket key as
@@ -36,7 +38,14 @@ _state = {
     "bucket_overflows": collections.Counter(),  # "[policy:]truncate|split|...": count
     "shape_generic_calls": collections.Counter(),  # op -> calls run by the compile-storm policy on CPU
     "host_transfer_bytes": 0,  # bytes copied between device buffers and host memory, either direction
+    "persistent_cache_requests": 0,  # executables looked up in JAX's persistent cache
+    "persistent_cache_hits": 0,  # ... and loaded from it instead of compiled
+    "persistent_cache_load_s": 0.0,
+    "compile_s_by_graph": collections.Counter(),  # op or graph name -> seconds XLA spent compiling it
+    "graph_runs": 0,  # fused and compiled graphs dispatched
+    "graphs_per_step": collections.deque(maxlen=256),  # unique graphs run in each step (mark_step)
 }
+_step_graphs: set = set()  # the graphs run since the last mark_step
 
 # ---------------------------------------------------------------- bucket scopes
 _tls = threading.local()  # .items: tuple of (name, value); .key: its string form
@@ -71,16 +80,36 @@ def bucket_scope(items):
 
 def _on_duration(event, duration, **kwargs):
     if event == "/jax/core/compile/backend_compile_duration":
-        # XLA compiles synchronously in the thread that asked, so the thread's scope is the right one
+        # XLA compiles synchronously in the thread that asked, so the thread's scope is the right one,
+        # and the executable it builds is the one whose miss this thread recorded last
         key = getattr(_tls, "key", None)
+        loaded = getattr(_tls, "cache_hit", False)
+        label = getattr(_tls, "miss", None) or "other"
+        _tls.cache_hit = False
+        _tls.miss = None
         with _lock:
             _state["compiles"] += 1
-            _state["compile_time_s"] += duration
+            if loaded:
+                _state["persistent_cache_load_s"] += duration
+            else:
+                _state["compile_time_s"] += duration
+                _state["compile_s_by_graph"][label] += duration
             if key is not None:
                 _state["compiles_by_bucket"][key] += 1
 
 
+def _on_event(event, **kwargs):
+    if event == "/jax/compilation_cache/compile_requests_use_cache":
+        with _lock:
+            _state["persistent_cache_requests"] += 1
+    elif event == "/jax/compilation_cache/cache_hits":
+        _tls.cache_hit = True  # this thread's compile event that follows was a load
+        with _lock:
+            _state["persistent_cache_hits"] += 1
+
+
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
+jax.monitoring.register_event_listener(_on_event)
 
 
 # ---------------------------------------------------------------- recompile warning
@@ -151,6 +180,7 @@ def record_miss(op, key=None):
     recompile warning say which dimension varies and suggest a bucket policy.
     """
     bkey = getattr(_tls, "key", None)
+    _tls.miss = op  # the XLA compile that follows in this thread builds it
     shapes = _shapes_in(key) if key is not None else None
     with _lock:
         n = _state["cache_misses"][op] + 1
@@ -230,6 +260,23 @@ def record_shape_generic(op):
         _state["shape_generic_calls"][op] += 1
 
 
+def record_graph_run(graph) -> None:
+    """A fused or compiled graph (any hashable naming its executable) was dispatched."""
+    with _lock:
+        _state["graph_runs"] += 1
+        _step_graphs.add(graph)
+
+
+def mark_step() -> int:
+    """End a training step: the number of unique fused and compiled graphs it ran is kept
+    (``snapshot()["cache"]["unique_graphs_per_step"]``); a steady loop runs the same few."""
+    with _lock:
+        n = len(_step_graphs)
+        _state["graphs_per_step"].append(n)
+        _step_graphs.clear()
+    return n
+
+
 def record_flush(reason):
     with _lock:
         _state["flushes"][reason] += 1
@@ -261,7 +308,54 @@ def snapshot() -> dict:
               "shape_generic_calls"):
         out[k] = dict(out[k])
     out["misses_by_bucket"] = {k: dict(v) for k, v in out["misses_by_bucket"].items()}
+    out["cache"] = _cache_stats(out)
+    for k in ("persistent_cache_requests", "persistent_cache_hits", "persistent_cache_load_s", "compile_s_by_graph",
+              "graph_runs", "graphs_per_step"):
+        del out[k]
     return out
+
+
+def _cache_stats(s) -> dict:
+    on = jax.config.jax_compilation_cache_dir
+    # (JAX counts a request per compile even with no cache directory set)
+    req, hits = (s["persistent_cache_requests"], s["persistent_cache_hits"]) if on else (0, 0)
+    runs = s["cache_hits"] + sum(s["cache_misses"].values())
+    return {
+        "persistent_dir": on,
+        "requests": req,  # executables looked up in the persistent cache
+        "hits": hits,  # ... found there (loaded, not compiled)
+        "hit_rate": hits / req if req else None,
+        "xla_compiles": s["compiles"] - hits,  # new XLA compilations
+        "compile_s": s["compile_time_s"],
+        "load_s": s["persistent_cache_load_s"],
+        "compile_s_by_graph": dict(s["compile_s_by_graph"].most_common()),
+        # the in-process executable caches (per-op kernels, fused graphs, compiled graphs)
+        "executable_lookups": runs,
+        "executable_hit_rate": s["cache_hits"] / runs if runs else None,
+        "graph_runs": s["graph_runs"],
+        "unique_graphs_per_step": list(s["graphs_per_step"]),
+    }
+
+
+def report() -> str:
+    """The compilation caches' health in a few lines (also printed by ``print_report``)."""
+    c = snapshot()["cache"]
+
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    steps = c["unique_graphs_per_step"]
+    lines = [
+        f"torchtpu compilation caches (persistent dir: {c['persistent_dir'] or 'off'})",
+        f"  persistent cache: {c['hits']}/{c['requests']} hits ({pct(c['hit_rate'])}), loads {c['load_s']:.2f} s",
+        f"  new XLA compiles: {c['xla_compiles']}, {c['compile_s']:.2f} s",
+        f"  in-process executables: {c['executable_lookups']} lookups, hit rate {pct(c['executable_hit_rate'])}",
+        f"  unique graphs per step (last {min(len(steps), 8)} of {len(steps)}): {steps[-8:] or 'no steps marked'}",
+    ]
+    top = list(c["compile_s_by_graph"].items())[:5]
+    if top:
+        lines.append("  slowest to compile: " + "; ".join(f"{k} {v:.2f} s" for k, v in top))
+    return "\n".join(lines)
 
 
 def reset():
@@ -271,6 +365,11 @@ def reset():
         _state["cache_hits"] = 0
         _state["compile_time_s"] = 0.0
         _state["host_transfer_bytes"] = 0
+        _state["persistent_cache_requests"] = _state["persistent_cache_hits"] = _state["graph_runs"] = 0
+        _state["persistent_cache_load_s"] = 0.0
+        _state["compile_s_by_graph"].clear()
+        _state["graphs_per_step"].clear()
+        _step_graphs.clear()
         for k in ("cache_misses", "cpu_fallbacks", "flushes", "compiles_by_bucket", "misses_by_bucket",
                   "bucket_overflows", "shape_generic_calls"):
             _state[k].clear()

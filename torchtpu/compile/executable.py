@@ -32,13 +32,13 @@ import torch
 import torch._guards
 from torch.utils import _pytree as pytree
 
-from ..base import dtypes, metrics
-from ..base.opnames import qualified_name
+from ..base import dtypes, metrics, tracing
+from ..base.opnames import qualified_name, short_name
 from ..base.rng import next_key_data
 from ..bucketing import BucketPolicy
 from ..dispatch import fallback
 from ..dispatch.lowering import LOWERINGS
-from ..runtime import storage
+from ..runtime import checks, storage
 from ..runtime.recorder import RECORDER
 from .nodes import (
     FUNCTIONAL,
@@ -62,11 +62,12 @@ aten = torch.ops.aten
 class _Entry:
     """Executables of one graph at one set of static inputs (and one bucket)."""
 
-    __slots__ = ("plain", "donating", "static_outs")
+    __slots__ = ("plain", "donating", "static_outs", "checks")
 
     def __init__(self):
         self.plain = self.donating = None
         self.static_outs = None
+        self.checks = ()  # the graph's device-side index checks (runtime/checks.py), set when traced
 
 
 @functools.lru_cache(maxsize=4096)
@@ -146,7 +147,7 @@ class GraphProgram:
         self._warned = False
 
     # ---- tracing
-    def _run(self, flat, statics, env, entry):
+    def _run(self, flat, statics, env, entry, sites):
         env_nodes = {}
         nt = len(self.tensor_idx)
         tensor_it = iter(flat[:nt])
@@ -197,10 +198,14 @@ class GraphProgram:
                 if is_random(node):
                     kw["key"] = jax.random.wrap_key_data(keys[ki])
                     ki += 1
-                if kind == "view":
-                    res = FUNCTIONAL[node.target](functools.partial(_result_type, node, env), *vals, **kw)
-                else:
-                    res = LOWERINGS[qualified_name(node.target)].fn(*vals, **kw)
+                t = node.target
+                sites.op = short_name(t) if isinstance(t, torch._ops.OpOverload) else str(t)
+                sites.where = node.meta.get("stack_trace")
+                with tracing.named_scope(sites.op):
+                    if kind == "view":
+                        res = FUNCTIONAL[node.target](functools.partial(_result_type, node, env), *vals, **kw)
+                    else:
+                        res = LOWERINGS[qualified_name(node.target)].fn(*vals, **kw)
                 env_nodes[node] = self._fix(node, res, env)
             elif op == "output":
                 outs = [get(o) for o in self.out_leaves]
@@ -276,7 +281,10 @@ class GraphProgram:
 
     def _jit(self, e, statics, env, donate):
         def fn(*flat):
-            return self._run(flat, statics, env, e)
+            with checks.collecting() as sites:
+                arrays, muts = self._run(flat, statics, env, e, sites)
+            e.checks = tuple(sites.messages)
+            return arrays, muts, (sites.output() if sites.results else None)
 
         if donate:
             e.donating = jax.jit(fn, donate_argnums=self.donate_pos)
@@ -308,14 +316,23 @@ class GraphProgram:
             donate = all(ids[id(arrays[k])] == 1 for k in self.donate_pos)
         fn = (e.donating if donate else e.plain) or self._jit(e, statics, env, donate)
         keys = [next_key_data() for _ in self.random_nodes]
+        metrics.record_graph_run(id(fn))
         if fn is e.donating and e.plain is None and e.static_outs is None:
             with warnings.catch_warnings():  # XLA CPU may decline a donation: harmless
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-                outs, muts = fn(*arrays, *keys)
+                outs, muts, flags = fn(*arrays, *keys)
+        elif tracing.ACTIVE:
+            with tracing.annotate("torchtpu " + self.label):
+                outs, muts, flags = fn(*arrays, *keys)
         else:
-            outs, muts = fn(*arrays, *keys)
+            outs, muts, flags = fn(*arrays, *keys)
         if muts:
             _write_back([args[i] for i in self.mutated], muts, mut_whole)
+        if flags is not None:
+            checks.note(flags, e.checks)
+        if checks.LAUNCH_BLOCKING:
+            jax.block_until_ready((outs, muts))
+            checks.raise_pending()
         if self._all_tensor_outs and real_env is None:  # the common case: every output a tensor
             return [_wrap_array(o, info) for o, info in zip(outs, self.out_info)]
         res = []

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from ..base import dtypes
 from ..base.opnames import qualified_name
 from ..dispatch.lowering import LOWERINGS
+from ..ops.indexing import advanced_index, advanced_index_put
 from ..runtime import layout
 
 aten = torch.ops.aten
@@ -194,15 +195,11 @@ def _sdpa_bwd(result_type, grad_out, q, k, v, bias, mask, out, lse, cq, ck, mq, 
     return tuple(g if m else None for g, m in zip((gq, gk, gv, gb), mask))
 
 
-# advanced indexing (eager: hand-written kernels); integer indices only, as numpy's rules are torch's
-def _index_tuple(indices):
-    return tuple(slice(None) if i is None else i for i in indices)
-
-
-FUNCTIONAL[aten.index.Tensor] = lambda out, x, indices: x[_index_tuple(indices)]
+# advanced indexing (eager: hand-written kernels that expand masks first); integer indices only, through
+# the eager kernels' lowerings (negative indices wrapped, out-of-range ones checked on the device)
+FUNCTIONAL[aten.index.Tensor] = lambda out, x, indices: advanced_index(x, indices)
 FUNCTIONAL[aten.index_put.default] = lambda out, x, indices, values, accumulate=False: (
-    x.at[_index_tuple(indices)].add(values) if accumulate else x.at[_index_tuple(indices)].set(values)
-)
+    advanced_index_put(x, indices, values, accumulate))
 _INT_INDEX_ONLY = (aten.index.Tensor, aten.index_put.default)
 
 

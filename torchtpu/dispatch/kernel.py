@@ -11,7 +11,6 @@ executable is recorded (runtime/recorder.py) instead of run.
 from __future__ import annotations
 
 import math
-import os
 import threading
 
 import jax
@@ -19,9 +18,11 @@ import jax.numpy as jnp
 import torch
 from torch.utils import _pytree as pytree
 
-from ..base import dtypes, metrics
+from ..base import dtypes, metrics, tracing
 from ..base.opnames import short_name
 from ..base.rng import next_key_data as _next_key_data
+from ..base.frames import user_site
+from ..runtime import checks
 from ..runtime import layout as _layout
 from ..runtime.modes import deferring
 from ..runtime.recorder import RECORDER, LazyBuf, token_of
@@ -61,23 +62,6 @@ def _freeze(v):
     return v
 
 
-_index_bound_checks = os.environ.get("TORCHTPU_CHECK_INDEX_BOUNDS", "0") not in ("", "0", "false", "False")
-
-
-def set_index_bound_checks(enabled: bool) -> None:
-    """Check index values as PyTorch does on CPU (``IndexError: index 5 is out of bounds ...``) for
-    index tensors on tpu too. It reads them to the host: a device sync (and under DeferAndFuse a
-    flush) per indexing op, so it is off by default (``TORCHTPU_CHECK_INDEX_BOUNDS=1`` turns it on).
-    Index tensors on the CPU are always checked; unchecked out-of-range indices read a fill value
-    (NaN for floats) and are dropped by scatters."""
-    global _index_bound_checks
-    _index_bound_checks = bool(enabled)
-
-
-def index_bound_checks_enabled() -> bool:
-    return _index_bound_checks
-
-
 MIXED_DEVICE = "Expected all tensors to be on the same device, but found at least two devices, {} and {}!"
 
 
@@ -98,10 +82,13 @@ def _meta_leaf(t):
 class _Entry:
     """One compiled form of a kernel: the jitted function and how to wrap its outputs."""
 
-    __slots__ = ("fn", "out_meta", "single", "flat", "treedef", "out_numels", "token")
+    __slots__ = ("fn", "out_meta", "single", "flat", "treedef", "out_numels", "token", "checks")
 
     def __init__(self, fn, out_meta, out_numels):
         self.fn = fn
+        # the device-side index checks ``fn`` makes (runtime/checks.py), known once it is traced: their
+        # results are its last output
+        self.checks = None
         self.out_meta = out_meta
         self.single = _is_meta_leaf(out_meta)
         # a plain tuple or list of tensors (a foreach op's results): built directly, no pytree
@@ -190,6 +177,12 @@ class Kernel:
 
     # ---------------------------------------------------------------- call
     def __call__(self, *args, **kwargs):
+        if tracing.ACTIVE:  # a torchtpu.profiler trace: the dispatch is an event named for the op
+            with tracing.annotate(self.name):
+                return self._call(args, kwargs)
+        return self._call(args, kwargs)
+
+    def _call(self, args, kwargs):
         if kwargs:
             vals = self.bind(args, kwargs)
         else:
@@ -232,8 +225,6 @@ class Kernel:
                 return storm.run(self, vals)  # CPU's kernel makes CPU's checks and warnings
         if self.warn is not None:
             self.warn(*vals, inplace=self.inplace)
-        if _index_bound_checks and self.lowering.check is not None:
-            self.lowering.check(*vals)
         if entry is None:
             entry = self._build(key, vals, len(bufs))
             metrics.record_miss(self.name, key)
@@ -242,7 +233,18 @@ class Kernel:
             _record_hit()
             built = False
         if deferring():
-            outs = _record(entry.fn, bufs, dyn, entry.out_numels, self.name, entry.token)
+            if entry.checks is None:  # built by the eager path, which traced it
+                self._trace(entry, vals, key)
+            if entry.checks:
+                outs = _record(entry.fn, bufs, dyn, entry.out_numels + [2 * len(entry.checks)], self.name,
+                               entry.token)
+                checks.note(outs.pop(), entry.checks, self.name, user_site(1))
+            else:
+                outs = _record(entry.fn, bufs, dyn, entry.out_numels, self.name, entry.token)
+            if checks.LAUNCH_BLOCKING:
+                RECORDER.flush("launch_blocking", keep=outs)
+                RECORDER.wait_all()
+                checks.raise_pending()
         else:
             if RECORDER.pending:  # pending work recorded in another context
                 bufs = [RECORDER.materialize(b, "materialize") if type(b) is LazyBuf else b for b in bufs]
@@ -253,6 +255,12 @@ class Kernel:
                     self.cache.pop(key, None)
                     self._raise_cpu_error(vals, dtype_errors=True)
                 raise
+            if entry.checks:
+                checks.note(outs[-1], entry.checks, self.name, user_site(1))
+                outs = outs[:-1]
+            if checks.LAUNCH_BLOCKING:
+                jax.block_until_ready(outs)
+                checks.raise_pending()
         return self._wrap(vals, outs, entry)
 
     def _tensor_key(self, t, bufs, dyn):
@@ -336,7 +344,10 @@ class Kernel:
                 out_meta = pytree.tree_map(lambda a: (tuple(a.shape), dtypes.to_torch(a.dtype)), shaped)
 
             def flat(*xs):
-                return tuple(pytree.tree_leaves(inner(*xs)))
+                with checks.collecting() as sites, tracing.named_scope(self.name):
+                    leaves = tuple(pytree.tree_leaves(inner(*xs)))
+                entry.checks = tuple(sites.messages)
+                return leaves + (sites.output(),) if sites.results else leaves
 
             if self.inplace:
                 numels = []
@@ -348,13 +359,16 @@ class Kernel:
             entry = _Entry(jax.jit(flat), out_meta, numels)
             if deferring():
                 # trace now, so a lowering error surfaces at the user's line, not at the flush
-                try:
-                    jax.eval_shape(entry.fn, *_avals_of(vals, key, self.kinds, self.lowering.random))
-                except Exception:
-                    self._raise_cpu_error(vals)
-                    raise
+                self._trace(entry, vals, key)
             self.cache[key] = entry
             return entry
+
+    def _trace(self, entry, vals, key):
+        try:
+            jax.eval_shape(entry.fn, *_avals_of(vals, key, self.kinds, self.lowering.random))
+        except Exception:
+            self._raise_cpu_error(vals)
+            raise
 
     def _compute_meta(self, vals):
         """Output (shape, dtype[, strides]) tree from PyTorch's meta kernel (None if there is none)."""

@@ -15,16 +15,15 @@ from ..base.opnames import normalize
 
 
 class Lowering:
-    __slots__ = ("name", "fn", "static", "random", "allow_cpu", "meta", "check", "warn")
+    __slots__ = ("name", "fn", "static", "random", "allow_cpu", "meta", "warn")
 
-    def __init__(self, name, fn, static=(), random=False, allow_cpu=False, meta=None, check=None, warn=None):
+    def __init__(self, name, fn, static=(), random=False, allow_cpu=False, meta=None, warn=None):
         self.name = name
         self.fn = fn
         self.static = frozenset(static)
         self.random = random
         self.allow_cpu = allow_cpu
         self.meta = meta
-        self.check = check
         self.warn = warn
 
 
@@ -32,7 +31,7 @@ LOWERINGS: dict[str, Lowering] = {}  # qualified op name -> its JAX lowering
 IMPLS: dict[str, object] = {}  # qualified op name -> a hand-written python kernel (views, copies, host reads)
 
 
-def lower(*names, static=(), random=False, allow_cpu=False, meta=None, check=None, warn=None):
+def lower(*names, static=(), random=False, allow_cpu=False, meta=None, warn=None):
     """Register ``fn`` as the JAX lowering of the aten ops ``names``.
 
     ``fn`` receives ALL the op's arguments positionally in schema order (keyword-only
@@ -41,11 +40,10 @@ def lower(*names, static=(), random=False, allow_cpu=False, meta=None, check=Non
     named in ``static``, everything else as python values. ``random=True``
     passes a ``key=`` jax PRNG key. ``allow_cpu`` accepts CPU tensor operands
     (copied in); ``meta`` replaces PyTorch's meta kernel for output shapes (and may add the
-    shape checks CPU makes that the meta kernel leaves out); ``check`` is called with the op's
-    arguments (tensors as they are) before each call while index bound checks are on
-    (``kernel.set_index_bound_checks``): it reads index values and raises PyTorch's error;
-    ``warn`` is called the same way (with ``inplace=`` too) before every call and emits the
-    warnings PyTorch's CPU kernel emits for those arguments.
+    shape checks CPU makes that the meta kernel leaves out); ``warn`` is called with the op's
+    arguments (tensors as they are, and ``inplace=``) before every call and emits the warnings
+    PyTorch's CPU kernel emits for those arguments. Index values are checked on the device from
+    inside ``fn`` (``runtime/checks.check_index``).
     Return a jax array (or a tuple/list).
     """
 
@@ -54,7 +52,7 @@ def lower(*names, static=(), random=False, allow_cpu=False, meta=None, check=Non
             qual = normalize(name)
             if qual in LOWERINGS:
                 raise RuntimeError(f"torchtpu: two lowerings for {qual}")
-            LOWERINGS[qual] = Lowering(qual, fn, static, random, allow_cpu, meta, check, warn)
+            LOWERINGS[qual] = Lowering(qual, fn, static, random, allow_cpu, meta, warn)
         return fn
 
     return deco

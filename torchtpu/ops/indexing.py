@@ -4,13 +4,13 @@ masked_scatter, take/put, embedding, and the data-dependent ops whose output
 shape depends on values (nonzero, masked_select, unique*, repeat_interleave).
 
 Indices are wrapped where PyTorch accepts negative indices (advanced indexing,
-take, put, index_fill). Index values PyTorch would reject as out of range raise
-PyTorch's error when they can be read without a device sync (index tensors on the
-CPU in advanced indexing) or while index bound checks are on
-(``torchtpu.set_index_bound_checks``: a sync per op); otherwise gathers read them
-as a fill value (NaN for floats) and scatters drop them, never clamping to a valid
-element. Shape and dtype errors are always PyTorch's, raised before JAX sees the
-input.
+take, put, index_fill). Index values PyTorch would reject as out of range are
+checked on the device (``runtime/checks.check_index``): the error, PyTorch CPU's
+message, is raised at the next host wait naming the op and the user line; the
+op itself reads a fill value (NaN for floats) and a scatter drops the value,
+never clamping to a valid element. Index tensors on the CPU in advanced indexing
+are checked at once, as PyTorch does. Shape and dtype errors are always
+PyTorch's, raised before JAX sees the input.
 
 Data-dependent ops are ``@impl`` kernels that read what they need on the host
 (the mask, the unique values) and build the result on the device.
@@ -25,11 +25,11 @@ from jax import lax
 
 from ..base import dtypes
 from ..base.frames import warn_at_user_line, warn_once_at_user_line
-from ..base.opnames import normalize
 from ..dispatch import fallback
-from ..dispatch.kernel import Kernel, index_bound_checks_enabled
-from ..dispatch.lowering import LOWERINGS, Lowering, impl, lower
+from ..dispatch.kernel import Kernel
+from ..dispatch.lowering import Lowering, impl, lower
 from ..runtime import layout, storage
+from ..runtime.checks import check_index
 from ..runtime.storage import from_jax_array, logical_value
 
 aten = torch.ops.aten
@@ -47,6 +47,13 @@ def _along(x, dim, index):
     return (slice(None),) * dim + (index,)
 
 
+def _checked_coords(x, index, dim):
+    """``_coords`` of a gather or scatter, its index checked on the device against ``x``."""
+    d = _dim(x, dim)
+    check_index(index, x.shape[d], _bounds_message(d))
+    return _coords(index, d)
+
+
 def _coords(index, dim):
     """Index tuple for gather/scatter: ``index`` along ``dim``, position elsewhere."""
     return tuple(
@@ -61,6 +68,20 @@ def _as1d(x):
 
 def _dim(x, dim):
     return dim % max(x.ndim, 1)
+
+
+_OUT_OF_SELF = "index out of range in self"  # CPU's message for index_select, index_add, embedding
+
+
+def _bounds_message(dim):
+    return "index {value} is out of bounds for dimension " + str(dim) + " with size {size}"
+
+
+def _checked_along(x, dim, index, message=_OUT_OF_SELF):
+    """``index`` (flattened, int64) checked on the device against ``x``'s size along ``dim``."""
+    index = index.reshape(-1).astype(_I64)
+    check_index(index, x.shape[dim], message)
+    return index
 
 
 def _bool_safe(x, fn):
@@ -83,8 +104,10 @@ def _index_select_meta(x, dim, index):
 @lower("index_select", static=("dim",), meta=_index_select_meta)
 def _index_select(x, dim, index):
     if x.ndim == 0:
-        return _as1d(x).at[index.reshape(-1).astype(_I64)].get(mode="fill").reshape(index.shape if index.ndim else ())
-    return x.at[_along(x, _dim(x, dim), index.reshape(-1).astype(_I64))].get(mode="fill")
+        x1 = _as1d(x)
+        return x1.at[_checked_along(x1, 0, index)].get(mode="fill").reshape(index.shape if index.ndim else ())
+    d = _dim(x, dim)
+    return x.at[_along(x, d, _checked_along(x, d, index))].get(mode="fill")
 
 
 @lower("gather", static=("dim", "sparse_grad"))
@@ -92,18 +115,23 @@ def _gather(x, dim, index, sparse_grad=False):
     if index.size == 0:
         return jnp.zeros(index.shape, x.dtype)  # PyTorch allows any shape for an empty index
     x1, i1 = _as1d(x), _as1d(index)
-    out = x1.at[_coords(i1, _dim(x1, dim))].get(mode="fill")
+    out = x1.at[_checked_coords(x1, i1, dim)].get(mode="fill")
     return out.reshape(index.shape)
+
+
+_TAKE_MESSAGE = "out of range: tried to access index {value} on a tensor of {size} elements."
 
 
 @lower("take")
 def _take(x, index):
     flat = x.reshape(-1)
+    check_index(index, flat.shape[0], _TAKE_MESSAGE, negative=True)
     return flat.at[_wrap(index, flat.shape[0])].get(mode="fill")
 
 
 @lower("embedding", static=("padding_idx", "scale_grad_by_freq", "sparse"))
 def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    check_index(indices, weight.shape[0], _OUT_OF_SELF)
     return weight.at[indices.astype(_I64)].get(mode="fill")
 
 
@@ -117,7 +145,7 @@ def _scatter_src(index, src):
 
 def _scatter(x, dim, index, src, reduce=None):
     x1, i1 = _as1d(x), _as1d(index)
-    c = _coords(i1, _dim(x1, dim))
+    c = _checked_coords(x1, i1, dim)
     s = _scatter_src(i1, jnp.asarray(src) if jnp.ndim(src) == 0 else _as1d(src)).astype(x.dtype)
     if reduce is None:
         out = x1.at[c].set(s, mode="drop")
@@ -202,7 +230,7 @@ def _reduce_into(x, where, src, reduce, include_self):
 @lower("scatter_reduce.two", static=("dim", "reduce", "include_self"))
 def _scatter_reduce(x, dim, index, src, reduce, include_self=True):
     x1, i1 = _as1d(x), _as1d(index)
-    c = _coords(i1, _dim(x1, dim))
+    c = _checked_coords(x1, i1, dim)
     s = _scatter_src(i1, _as1d(src))
     return _reduce_into(x1, c, s, reduce, include_self).reshape(x.shape)
 
@@ -210,14 +238,16 @@ def _scatter_reduce(x, dim, index, src, reduce, include_self=True):
 @lower("index_reduce", static=("dim", "reduce", "include_self"))
 def _index_reduce(x, dim, index, source, reduce, include_self=True):
     x1 = _as1d(x)
-    where = _along(x1, _dim(x1, dim), index.reshape(-1).astype(_I64))
+    d = _dim(x1, dim)
+    where = _along(x1, d, _checked_along(x1, d, index))
     return _reduce_into(x1, where, _as1d(source), reduce, include_self).reshape(x.shape)
 
 
 @lower("index_add", static=("dim",))
 def _index_add(x, dim, index, source, alpha=1):
     x1 = _as1d(x)
-    where = _along(x1, _dim(x1, dim), index.reshape(-1).astype(_I64))
+    d = _dim(x1, dim)
+    where = _along(x1, d, _checked_along(x1, d, index))
     s = _as1d(source)
     if x.dtype == jnp.bool_:
         s = s & (jnp.asarray(alpha) != 0)
@@ -236,13 +266,15 @@ def _index_copy_meta(x, dim, index, source):
 @lower("index_copy", static=("dim",), meta=_index_copy_meta)
 def _index_copy(x, dim, index, source):
     x1 = _as1d(x)
-    where = _along(x1, _dim(x1, dim), index.reshape(-1).astype(_I64))
+    d = _dim(x1, dim)
+    where = _along(x1, d, _checked_along(x1, d, index, "index_copy_(): " + _bounds_message(d)))
     return x1.at[where].set(_as1d(source).astype(x.dtype), mode="drop").reshape(x.shape)
 
 
 def _index_fill(x, dim, index, value):
     x1 = _as1d(x)
     d = _dim(x1, dim)
+    check_index(index, x1.shape[d], _bounds_message(d), negative=True)
     where = _along(x1, d, _wrap(index.reshape(-1), x1.shape[d]))
     v = jnp.asarray(value)
     v = (v != 0) if x.dtype == jnp.bool_ else v.astype(x.dtype)
@@ -293,6 +325,7 @@ def _masked_scatter(x, mask, source):
 @lower("put", static=("accumulate",))
 def _put(x, index, source, accumulate=False):
     flat = x.reshape(-1)
+    check_index(index, flat.shape[0], _TAKE_MESSAGE, negative=True)
     i = _wrap(index.reshape(-1), flat.shape[0])
     s = source.reshape(-1).astype(x.dtype)
     if accumulate:
@@ -313,21 +346,24 @@ def _nonzero_static(x, size, fill_value=-1):
 # ---------------------------------------------------------------- advanced indexing (index / index_put)
 def _index_tuple(x, indices):
     out = []
+    k = 0  # CPU names the position among the indexed dims
     for i, ind in enumerate(indices):
         if ind is None:
             out.append(slice(None))
         else:
+            check_index(ind, x.shape[i], _bounds_message(k), negative=True)
             out.append(_wrap(ind, x.shape[i]))
+            k += 1
     return tuple(out)
 
 
-def _index_fn(x, indices):
+def advanced_index(x, indices):
     if x.ndim == 0:
         raise IndexError("too many indices for tensor of dimension 0")
     return x.at[_index_tuple(x, indices)].get(mode="fill")
 
 
-def _index_put_fn(x, indices, values, accumulate=False, unsafe=False):
+def advanced_index_put(x, indices, values, accumulate=False, unsafe=False):
     where = _index_tuple(x, indices)
     v = values.astype(x.dtype)
     if accumulate:
@@ -374,12 +410,12 @@ def _check_index_shapes(x, indices):
 
 
 # private kernels: the @impl entry points below turn bool masks into long indices first
-_INDEX = Kernel(aten.index.Tensor, Lowering("aten::index.Tensor", _index_fn, allow_cpu=True, meta=_index_meta))
-_INDEX_PUT_LOW = Lowering("aten::index_put", _index_put_fn, static=("accumulate",), allow_cpu=True,
+_INDEX = Kernel(aten.index.Tensor, Lowering("aten::index.Tensor", advanced_index, allow_cpu=True, meta=_index_meta))
+_INDEX_PUT_LOW = Lowering("aten::index_put", advanced_index_put, static=("accumulate",), allow_cpu=True,
                           meta=_index_put_meta)
 _INDEX_PUT = Kernel(aten.index_put.default, _INDEX_PUT_LOW)
 _INDEX_PUT_ = Kernel(aten.index_put_.default, _INDEX_PUT_LOW, functional=aten.index_put.default)
-_INDEX_PUT_IMPL_LOW = Lowering("aten::_index_put_impl", _index_put_fn, static=("accumulate", "unsafe"), allow_cpu=True,
+_INDEX_PUT_IMPL_LOW = Lowering("aten::_index_put_impl", advanced_index_put, static=("accumulate", "unsafe"), allow_cpu=True,
                                meta=_index_put_meta)
 _INDEX_PUT_IMPL_ = Kernel(aten._index_put_impl_.default, _INDEX_PUT_IMPL_LOW, functional=aten._index_put_impl.default)
 
@@ -397,8 +433,8 @@ _UINT8_MASK_DEPRECATED = "indexing with dtype torch.uint8 is now deprecated, ple
 
 def _expand_masks(x, indices):
     """PyTorch's expandTensors: a bool/uint8 mask becomes one long index per mask dim. Long index
-    tensors PyTorch can read without a device sync (on the CPU, or any while index bound checks
-    are on) are checked against the sizes they index."""
+    tensors on the CPU are checked against the sizes they index here, as PyTorch does (tpu ones
+    on the device: ``_index_tuple``)."""
     out = []
     for idx in indices:
         if idx is not None and idx.dtype in (torch.bool, torch.uint8):
@@ -426,7 +462,7 @@ def _expand_masks(x, indices):
     for d, idx in enumerate(out):
         if idx is None:
             continue
-        if idx.device.type == "cpu" or index_bound_checks_enabled():
+        if idx.device.type == "cpu":
             _check_bounds(_host(idx), x.shape[d], lambda v, n, k=k: IndexError(
                 f"index {v} is out of bounds for dimension {k} with size {n}"))
         k += 1
@@ -440,61 +476,6 @@ def _check_bounds(idx, n, error, negative=True):
     bad = (idx >= n) | (idx < (-n if negative else 0))
     if bad.any():
         raise error(int(idx[np.argmax(bad)]), n)
-
-
-def _dim_size(x, dim):
-    return x.shape[dim % x.dim()] if x.dim() else 1
-
-
-# per-call index checks (while index bound checks are on): PyTorch CPU's types and messages
-def _check_take(x, index, *rest):
-    _check_bounds(_host(index), x.numel(), lambda v, n: IndexError(
-        f"out of range: tried to access index {v} on a tensor of {n} elements."))
-
-
-def _check_index_select(x, dim, index):
-    _check_bounds(_host(index), _dim_size(x, dim), lambda v, n: IndexError("index out of range in self"),
-                  negative=False)
-
-
-def _check_gather_scatter(x, dim, index, *rest):
-    d = dim % max(x.dim(), 1)
-    _check_bounds(_host(index), _dim_size(x, dim), lambda v, n: RuntimeError(
-        f"index {v} is out of bounds for dimension {d} with size {n}"), negative=False)
-
-
-def _check_index_add(x, dim, index, *rest):
-    _check_bounds(_host(index), _dim_size(x, dim), lambda v, n: IndexError("index out of range in self"),
-                  negative=False)
-
-
-def _check_index_copy(x, dim, index, *rest):
-    d = dim % max(x.dim(), 1)
-    _check_bounds(_host(index), _dim_size(x, dim), lambda v, n: IndexError(
-        f"index_copy_(): index {v} is out of bounds for dimension {d} with size {n}"), negative=False)
-
-
-def _check_index_fill(x, dim, index, *rest):
-    d = dim % max(x.dim(), 1)
-    _check_bounds(_host(index), _dim_size(x, dim), lambda v, n: IndexError(
-        f"index {v} is out of bounds for dimension {d} with size {n}"))
-
-
-def _check_embedding(weight, indices, *rest):
-    _check_bounds(_host(indices), weight.shape[0], lambda v, n: IndexError("index out of range in self"),
-                  negative=False)
-
-
-for _name, _check in (
-    ("take", _check_take), ("put", _check_take), ("index_select", _check_index_select),
-    ("gather", _check_gather_scatter), ("scatter.src", _check_gather_scatter),
-    ("scatter.value", _check_gather_scatter), ("scatter.reduce", _check_gather_scatter),
-    ("scatter.value_reduce", _check_gather_scatter), ("scatter_add", _check_gather_scatter),
-    ("scatter_reduce.two", _check_gather_scatter), ("index_add", _check_index_add),
-    ("index_copy", _check_index_copy), ("index_fill.int_Scalar", _check_index_fill),
-    ("index_fill.int_Tensor", _check_index_fill), ("embedding", _check_embedding),
-):
-    LOWERINGS[normalize(_name)].check = _check
 
 
 @impl("index.Tensor")

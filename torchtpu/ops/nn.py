@@ -24,6 +24,7 @@ from jax.scipy.special import erf
 
 from ..base import dtypes
 from ..dispatch.lowering import impl, lower
+from ..runtime.checks import check_index
 from .linalg import einsum, matmul_precision
 
 aten = torch.ops.aten
@@ -593,6 +594,7 @@ def _embedding_bag_impl(weight, indices, offsets, scale_grad_by_freq, mode, spar
     if include_last_offset:
         # indices past the last offset belong to no bag
         valid = valid & (jnp.arange(indices.shape[0]) < offsets[-1])
+    check_index(indices, n, "embedding_bag: input takes value {value} which is not in the valid range [0, {size})")
     rows = jnp.take(weight, _checked_rows(indices, n), axis=0, mode="fill")
     wf = _acc(rows)
     counts = jax.ops.segment_sum(valid.astype(jnp.int64), bag, num_segments=nb)

@@ -20,10 +20,9 @@ import itertools
 import os
 import types
 
-import jax
 import torch
 
-from ..base import rng
+from ..base import platform, rng
 from ..base.memory import MEMORY
 from .modes import synchronize as synchronize_all
 
@@ -61,7 +60,7 @@ def _tpu_index(device) -> int:
 
 def jax_device():
     """The JAX device this process's ``tpu`` maps to."""
-    return jax.local_devices()[0]
+    return platform.device()
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
@@ -120,6 +119,8 @@ def _make_module():
     m.__doc__ = "The tpu device module (provided by torchtpu)."
 
     def is_available() -> bool:
+        """The tpu device can be used: always, on XLA's CPU backend too (torch's DDP and device
+        utilities read it that way). ``get_device_properties().platform`` says whether it is a TPU."""
         return True
 
     def is_initialized() -> bool:
@@ -206,9 +207,13 @@ def _make_module():
         """Nothing to release: a device buffer is freed by XLA when its last tensor dies."""
 
     def get_device_name(device=None) -> str:
+        """The device kind (``TPU v4``, ``NVIDIA H100 80GB HBM3``; ``XLA CPU (...)`` on the CPU backend)."""
         _tpu_index(device)
-        d = jax_device()
-        return f"{d.platform}:{d.device_kind}"
+        return platform.device_name()
+
+    def get_device_properties(device=None) -> platform.DeviceProperties:
+        _tpu_index(device)
+        return platform.properties()
 
     def get_amp_supported_dtype():
         return [torch.bfloat16, torch.float16]
@@ -232,7 +237,7 @@ def _make_module():
               current_stream, default_stream, stream,
               synchronize, manual_seed, manual_seed_all, seed, seed_all, initial_seed, get_rng_state,
               set_rng_state, memory_allocated, max_memory_allocated, memory_reserved, max_memory_reserved,
-              reset_peak_memory_stats, memory_stats, mem_get_info, empty_cache, get_device_name,
+              reset_peak_memory_stats, memory_stats, mem_get_info, empty_cache, get_device_name, get_device_properties,
               get_amp_supported_dtype, is_bf16_supported):
         setattr(m, f.__name__, f)
     m.device = device

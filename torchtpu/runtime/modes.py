@@ -16,7 +16,7 @@ import threading
 import jax
 import torch
 
-from . import storage
+from . import checks, storage
 from .recorder import RECORDER
 
 MODES = ("strict_eager", "defer_and_fuse")
@@ -93,6 +93,7 @@ def synchronize() -> None:
         except Exception as e:
             RECORDER.explain(e)
             raise
+    checks.raise_pending()
 
 
 def sync() -> None:
@@ -100,11 +101,3 @@ def sync() -> None:
     like ``torch_xla``'s ``mark_step`` or a CUDA launch: the next step's Python overlaps this
     one's XLA run. Host reads (``.item()``, ``.cpu()``) and ``torch.tpu.synchronize()`` wait."""
     RECORDER.flush("sync")
-
-
-def enable_persistent_cache(directory: str) -> None:
-    """Keep compiled XLA executables in ``directory`` across processes (JAX's cache)."""
-    os.makedirs(directory, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -44,7 +44,7 @@ import weakref
 import jax
 from jax._src.array import ArrayImpl  # the concrete array type: a type check needs no backend
 
-from ..base import metrics
+from ..base import metrics, tracing
 from ..base.frames import user_site
 from ..base.memory import MEMORY
 
@@ -110,8 +110,8 @@ class Recorder:
     as a loop body), ``max_in_flight`` (``TORCHTPU_MAX_IN_FLIGHT``, dispatched graphs not yet
     waited for), ``flush_after_backward`` (``TORCHTPU_FLUSH_AFTER_BACKWARD``)."""
 
-    __slots__ = ("lock", "pending", "_ext", "_ext_slot", "_owners", "_graph_cache", "_inflight", "_prefix",
-                 "_pow", "_last_pos", "_period", "_bw_task", "max_pending", "min_loop_period", "max_in_flight",
+    __slots__ = ("lock", "pending", "_ext", "_ext_slot", "_owners", "_watched", "_graph_cache", "_inflight",
+                 "_prefix", "_pow", "_last_pos", "_period", "_bw_task", "max_pending", "min_loop_period", "max_in_flight",
                  "flush_after_backward")
 
     def __init__(self):
@@ -122,6 +122,7 @@ class Recorder:
         # and an old parameter read by the forward and the optimizer can still be donated)
         self._ext_slot: dict = {}
         self._owners: list = []  # weakrefs to storages that were handed a LazyBuf
+        self._watched: list = []  # pending buffers no storage holds that the next flush must compute
         self._graph_cache: dict = {}
         # fused graphs dispatched but not yet waited for: (weakrefs to their results, their nodes). The
         # bound keeps Python from queueing unbounded work (and memory) ahead of XLA; 2 lets step N+1
@@ -202,6 +203,12 @@ class Recorder:
         """Storage ``sd`` now holds a pending buffer: a flush computes it if ``sd`` is still alive."""
         self._owners.append(_weakref(sd))
 
+    def watch(self, buf: LazyBuf) -> None:
+        """Pending buffer ``buf`` (a device-side check's result, runtime/checks.py) is an output of
+        the next flush though no storage holds it."""
+        with self.lock:
+            self._watched.append(buf)
+
     def _note_backward(self):
         """Inside a backward pass (the autograd engine's thread), queue one flush for its end."""
         import torch  # only the optional backward trigger needs torch here
@@ -251,8 +258,8 @@ class Recorder:
         with self.lock:
             if not self.pending:
                 return
-            nodes, owners, ext = self.pending, self._owners, self._ext
-            self.pending, self._owners, self._ext = [], [], []
+            nodes, owners, ext, watched = self.pending, self._owners, self._ext, self._watched
+            self.pending, self._owners, self._ext, self._watched = [], [], [], []
             self._ext_slot.clear()
             self._prefix[:] = [0]
             self._last_pos.clear()
@@ -266,7 +273,7 @@ class Recorder:
                     live_sds.append(sd)
             live = []
             seen = set()
-            for b in [sd.raw_buf for sd in live_sds] + list(keep):
+            for b in [sd.raw_buf for sd in live_sds] + list(keep) + watched:
                 # (a buffer of a failed earlier graph, pos -1, is not this graph's: it raises on use)
                 if b.value is None and id(b) not in seen and b.node.pos >= 0:
                     seen.add(id(b))
@@ -284,6 +291,9 @@ class Recorder:
             try:
                 hit = self._graph_cache.get(key)
                 if hit is None:
+                    site = next((n.site for n in nodes if n.site is not None), None)
+                    where = f"{site[0]}:{site[1]}" if site else "unknown"
+                    metrics.record_miss(f"fused graph from {where}")
                     with warnings.catch_warnings():
                         # XLA may decline a donation (e.g. no output of that shape): harmless
                         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -291,13 +301,15 @@ class Recorder:
                         compiled = jitted.lower(*ext).compile()
                     hit = (compiled, _transient_bytes(compiled))
                     self._graph_cache[key] = hit
-                    site = next((n.site for n in nodes if n.site is not None), None)
-                    where = f"{site[0]}:{site[1]}" if site else "unknown"
-                    metrics.record_miss(f"fused graph from {where}")
                 fused, transient = hit
+                metrics.record_graph_run(id(fused))
                 # the device also holds this graph's temporaries and outputs while it runs
                 MEMORY.note_transient(transient)
-                results = fused(*ext)  # returns once dispatched: XLA runs it while Python goes on
+                if tracing.ACTIVE:
+                    with tracing.annotate("torchtpu fused graph"):
+                        results = fused(*ext)
+                else:
+                    results = fused(*ext)  # returns once dispatched: XLA runs it while Python goes on
                 del ext
             except Exception as e:
                 _annotate(e, nodes)
@@ -412,7 +424,8 @@ def _make_graph_fn(spec, outs, nodes):
         for (fn, ins), (name, site) in zip(spec, names):
             args = [ext[i] if type(i) is int else env[i[0]][i[1]] for i in ins]
             try:
-                env.append(fn(*args))
+                with tracing.named_scope(name):
+                    env.append(fn(*args))
             except Exception as e:
                 _add_site_note(e, name, site)
                 raise

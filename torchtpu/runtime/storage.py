@@ -25,9 +25,10 @@ import numpy as np
 import torch
 from jax._src.array import ArrayImpl  # the concrete array type: a type check needs no backend
 
-from ..base import dtypes, metrics
+from ..base import dtypes, metrics, platform
 from ..base.memory import MEMORY
 from . import layout as _layout
+from . import checks
 from .recorder import RECORDER, LazyBuf
 
 _DEV = None  # torch.device("tpu", 0), set once the backend is renamed
@@ -165,6 +166,7 @@ def to_device(host) -> jax.Array:
     would otherwise share ``host``'s memory, which its owner may change."""
     host = np.array(host, order="C", copy=True)
     metrics.record_host_transfer(host.nbytes)
+    platform.first_use()  # once: the platform's checks wait for the first data on the device
     return jax.device_put(host)
 
 
@@ -397,11 +399,14 @@ def to_numpy_host(t: torch.Tensor) -> np.ndarray:
         bits = _layout.math_bits(t)
         lay = layout(t)
         if bits is None and covers_storage(t, buf):
-            return np.asarray(to_host(buf)).reshape(lay[0])
-        if buf.size <= _HOST_STRIDED_MAX or 4 * math.prod(lay[0]) >= buf.size:
+            host = np.asarray(to_host(buf)).reshape(lay[0])
+        elif buf.size <= _HOST_STRIDED_MAX or 4 * math.prod(lay[0]) >= buf.size:
             flat = np.asarray(to_host(buf)).reshape(-1)
-            return _host_bits(np.array(_host_view(flat, lay)), bits)
-        return np.asarray(to_host(logical_value(t)))
+            host = _host_bits(np.array(_host_view(flat, lay)), bits)
+        else:
+            host = np.asarray(to_host(logical_value(t)))
     except Exception as e:  # a fused graph still in flight failed: name the lines that recorded it
         RECORDER.explain(e)
         raise
+    checks.raise_pending()  # the host waited: the device-side index checks of earlier ops are in
+    return host
