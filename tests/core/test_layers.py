@@ -25,6 +25,7 @@ TORCHTPU_LAYERS = {
     "torchtpu.interop": 4,
     "torchtpu.serialization": 4,
     "torchtpu.distributed": 4,
+    "torchtpu.quantization": 4,
     "torchtpu.compile": 5,
     "torchtpu": 6,  # __init__ wires the layers together
 }
