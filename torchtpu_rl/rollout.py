@@ -374,6 +374,11 @@ def _is_int_list(p):
     return isinstance(p, (list, tuple)) or (isinstance(p, torch.Tensor) and p.dim() == 1)
 
 
+# --rollout-quantization name -> torchtpu.quantization scheme (torchao allows float8 activations on
+# CUDA only, so fp8 rollouts quantize the weights)
+ROLLOUT_QUANTIZATION = {"int8": "int8_dynamic", "int8_weight_only": "int8_weight_only", "fp8": "fp8_weight_only"}
+
+
 class RolloutEngine:
     """Batched generation for a causal-LM policy on ``device``.
 
@@ -385,16 +390,31 @@ class RolloutEngine:
     on for tpu); ``use_kv_cache`` (default: when the model supports it; a Hugging Face model
     that cannot be cached warns once, naming its family and why, and recomputes instead).
     ``sync_every``: host checks for "all sequences stopped" every that many steps.
+    ``quantization``: generate with a quantized copy of the weights (``"int8"``: int8 weights and
+    activations, an int8 x int8 dot; ``"int8_weight_only"``; ``"fp8"``: float8 weights), made with
+    :func:`torchtpu.quantization.quantize_` (the output layer stays in float) and re-quantized from
+    the full-precision tensors of every weight update; the learner corrects the mismatch with
+    truncated importance sampling (``Learner(tis_cap=...)``).
     """
 
     def __init__(self, model: nn.Module, pad_id: int, prompt_buckets: Optional[BucketPolicy] = None,
                  response_buckets: Optional[BucketPolicy] = None, batch_buckets: Optional[BucketPolicy] = None,
                  device="tpu", compile: Optional[bool] = None, use_kv_cache: Optional[bool] = None,
-                 sync_every: int = 4, policy_version: int = 0):
+                 sync_every: int = 4, policy_version: int = 0, quantization: Optional[str] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"RolloutEngine: model must be an nn.Module, not {type(model).__name__}")
+        if quantization is not None and quantization not in ROLLOUT_QUANTIZATION:
+            raise ValueError(f"RolloutEngine: quantization must be one of {sorted(ROLLOUT_QUANTIZATION)} or None, "
+                             f"not {quantization!r}")
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
+        self.quantization = quantization
+        self.quantized_layers: list = []
+        if quantization is not None:
+            import torchtpu.quantization
+
+            with torch.no_grad():
+                self.quantized_layers = torchtpu.quantization.quantize_(self.model, ROLLOUT_QUANTIZATION[quantization])
         self.pad_id = operator.index(pad_id)
         cfg = getattr(model, "config", None)
         self.max_seq_len = getattr(cfg, "max_seq_len", None) or getattr(cfg, "max_position_embeddings", None)
@@ -473,9 +493,32 @@ class RolloutEngine:
         self._caches.clear()
 
     def load_state_dict(self, state_dict, strict: bool = True):
-        """Copy weights into the model in place (compiled decode steps stay valid)."""
+        """Copy weights into the model in place (compiled decode steps stay valid). With
+        ``quantization``, the full-precision weights of the quantized layers are quantized again."""
         with torch.no_grad():
-            return self.model.load_state_dict(state_dict, strict=strict)
+            if not self.quantized_layers:
+                return self.model.load_state_dict(state_dict, strict=strict)
+            return self._load_and_requantize(state_dict, strict)
+
+    def _load_and_requantize(self, state_dict, strict: bool):
+        import torchtpu.quantization
+
+        quantized = {f"{name}.weight": name for name in self.quantized_layers}
+        result = self.model.load_state_dict({k: v for k, v in state_dict.items() if k not in quantized}, strict=False)
+        missing = [k for k in result.missing_keys if k not in quantized] + [k for k in quantized if k not in state_dict]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"RolloutEngine.load_state_dict: missing keys {missing}, unexpected keys "
+                               f"{result.unexpected_keys}")
+        fresh = set()
+        for key, name in quantized.items():
+            if key in state_dict:
+                layer = self.model.get_submodule(name)
+                dtype = layer.weight.dtype  # a quantized tensor reports the dtype it was quantized from
+                layer.weight = nn.Parameter(state_dict[key].to(self.device, dtype), requires_grad=False)
+                fresh.add(name)
+        torchtpu.quantization.quantize_(self.model, ROLLOUT_QUANTIZATION[self.quantization],
+                                        skip=lambda name, _: name not in fresh)
+        return result
 
     def update_weights(self, state_dict, policy_version: Optional[int] = None) -> None:
         """pause -> drop the KV cache -> load weights -> set the version -> resume."""

@@ -98,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-tokens", type=int, help="micro-batches by a token budget instead of rows")
     g.add_argument("--gradient-checkpointing", action="store_true")
     g.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
+    g.add_argument("--rollout-quantization", choices=("none", "int8", "int8_weight_only", "fp8"), default="none",
+                   help="rollout workers generate with quantized weights (int8: int8 weights and activations), "
+                        "re-quantized after every weight sync")
+    g.add_argument("--rollout-is", choices=("token", "sequence", "none"), default=None,
+                   help="truncated importance sampling of the rollout/learner mismatch (default: token with "
+                        "--rollout-quantization, else none)")
+    g.add_argument("--rollout-is-threshold", type=float, default=2.0, help="the truncation threshold (> 0)")
     g = p.add_argument_group("topology")
     g.add_argument("--rollout-workers", type=int, default=1)
     g.add_argument("--mode", choices=("sync", "async"), default="sync")
@@ -197,6 +204,8 @@ def _check_args(args) -> None:
         v = getattr(args, name)
         if v is None or v < (0 if name == "steps" else 1):
             raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, not {v!r}")
+    if not args.rollout_is_threshold > 0:
+        raise TrainError(f"--rollout-is-threshold must be > 0, not {args.rollout_is_threshold}")
     for name in ("save_every", "eval_every", "max_staleness"):
         if getattr(args, name) < 0:
             raise TrainError(f"--{name.replace('_', '-')} must be >= 0")
@@ -262,6 +271,9 @@ def _learner_kwargs(args) -> dict:
               param_dtype=args.dtype)
     if args.algo == "grpo":
         kw["group_size"] = args.group_size
+    level = args.rollout_is or ("token" if args.rollout_quantization != "none" else "none")
+    if level != "none":
+        kw.update(tis_cap=args.rollout_is_threshold, tis_level=level)
     return kw
 
 
@@ -448,6 +460,8 @@ def _setup(args) -> dict:
                                                          name="prompt"),
                      "response_buckets": BucketPolicy.pow2(min(8, args.max_new_tokens), args.max_new_tokens,
                                                            name="response")}
+    if args.rollout_quantization != "none":
+        engine_kwargs["quantization"] = args.rollout_quantization
     return dict(tokenizer=tokenizer, fingerprint=fingerprint, ckpt=ckpt, meta=meta, dataset=dataset, eval_set=eval_set,
                 rewards=rewards, weights=weights, sampling=sampling, engine_kwargs=engine_kwargs,
                 learner_kwargs=_learner_kwargs(args))

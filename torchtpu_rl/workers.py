@@ -382,17 +382,28 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
                   seed: int = 0, bucket_bytes: int = ws.DEFAULT_BUCKET_BYTES,
                   reward_fn: Optional[Callable] = None, reward_model_fn: Optional[Callable] = None,
                   reward_model_dir: Optional[str] = None, reward_in_actor: bool = False, max_restarts: int = 3,
-                  worker_concurrency: int = 4, actor_options: Optional[dict] = None) -> Topology:
+                  worker_concurrency: int = 4, actor_options: Optional[dict] = None,
+                  rollout_quantization: Optional[str] = None) -> Topology:
     """Start the learner, ``num_rollout_workers`` rollout workers and (optionally) a reward actor
     on the connected Ray cluster. ``actor_options`` go to every ``.options()`` (e.g. a
     ``scheduling_strategy`` from a ray_integration slice reservation). ``reward_model_dir``: a
-    Hugging Face sequence-classification directory for the reward actor."""
+    Hugging Face sequence-classification directory for the reward actor. ``rollout_quantization``
+    (``"int8"``, ``"int8_weight_only"``, ``"fp8"``): each rollout worker generates with a quantized
+    copy of the weights, re-quantized after every sync (``RolloutEngine(quantization=...)``); pair it
+    with truncated importance sampling in the learner (``learner_kwargs={"tis_cap": 2.0}``)."""
     import ray
 
     if not ray.is_initialized():
         raise RuntimeError("make_topology: connect to Ray first (driver.connect_ray())")
     if not isinstance(num_rollout_workers, int) or num_rollout_workers < 1:
         raise ValueError(f"num_rollout_workers must be a positive int, got {num_rollout_workers!r}")
+    if rollout_quantization is not None:
+        from .rollout import ROLLOUT_QUANTIZATION
+
+        if rollout_quantization not in ROLLOUT_QUANTIZATION:
+            raise ValueError(f"make_topology: rollout_quantization must be one of {sorted(ROLLOUT_QUANTIZATION)} "
+                             f"or None, not {rollout_quantization!r}")
+        engine_kwargs = {**(engine_kwargs or {}), "quantization": rollout_quantization}
     base = {"num_cpus": 0, "runtime_env": {"env_vars": _actor_env()}, **(actor_options or {})}
     learner = ray.remote(LearnerWorker).options(**base).remote(
         policy_fn, algo=algo, learner_kwargs=learner_kwargs, seed=seed, bucket_bytes=bucket_bytes)
