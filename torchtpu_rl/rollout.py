@@ -394,13 +394,16 @@ class RolloutEngine:
     activations, an int8 x int8 dot; ``"int8_weight_only"``; ``"fp8"``: float8 weights), made with
     :func:`torchtpu.quantization.quantize_` (the output layer stays in float) and re-quantized from
     the full-precision tensors of every weight update; the learner corrects the mismatch with
-    truncated importance sampling (``Learner(tis_cap=...)``).
+    truncated importance sampling (``Learner(tis_cap=...)``). ``lora``
+    (:class:`~torchtpu_rl.lora.LoraSpec`): weight updates carry a LoRA learner's adapter tensors only,
+    merged into the model (``W_base + alpha / rank * B @ A``) before any quantization.
     """
 
     def __init__(self, model: nn.Module, pad_id: int, prompt_buckets: Optional[BucketPolicy] = None,
                  response_buckets: Optional[BucketPolicy] = None, batch_buckets: Optional[BucketPolicy] = None,
                  device="tpu", compile: Optional[bool] = None, use_kv_cache: Optional[bool] = None,
-                 sync_every: int = 4, policy_version: int = 0, quantization: Optional[str] = None):
+                 sync_every: int = 4, policy_version: int = 0, quantization: Optional[str] = None,
+                 lora=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"RolloutEngine: model must be an nn.Module, not {type(model).__name__}")
         if quantization is not None and quantization not in ROLLOUT_QUANTIZATION:
@@ -408,6 +411,11 @@ class RolloutEngine:
                              f"not {quantization!r}")
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
+        self.lora = None
+        if lora is not None:
+            from .lora import AdapterMerger
+
+            self.lora = AdapterMerger(self.model, lora)  # copies the float base weights: before quantizing
         self.quantization = quantization
         self.quantized_layers: list = []
         if quantization is not None:
@@ -494,8 +502,15 @@ class RolloutEngine:
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Copy weights into the model in place (compiled decode steps stay valid). With
-        ``quantization``, the full-precision weights of the quantized layers are quantized again."""
+        ``quantization``, the full-precision weights of the quantized layers are quantized again; with
+        ``lora``, ``state_dict`` holds adapter tensors, merged into the target layers."""
         with torch.no_grad():
+            if self.lora is not None:
+                unknown = self.lora.unknown(state_dict)
+                if unknown is not None:
+                    raise ValueError(f"RolloutEngine.load_state_dict: {unknown!r} is not an adapter tensor of this "
+                                     f"engine's LoRA targets")
+                state_dict, strict = self.lora.merged_weights(state_dict), False
             if not self.quantized_layers:
                 return self.model.load_state_dict(state_dict, strict=strict)
             return self._load_and_requantize(state_dict, strict)
@@ -519,6 +534,11 @@ class RolloutEngine:
         torchtpu.quantization.quantize_(self.model, ROLLOUT_QUANTIZATION[self.quantization],
                                         skip=lambda name, _: name not in fresh)
         return result
+
+    def sync_reference(self) -> dict:
+        """Name -> tensor (dtype, shape) of what a weight update must hold: the model's state dict, or
+        with ``lora`` the adapter tensors of its target layers."""
+        return self.lora.reference() if self.lora is not None else self.model.state_dict()
 
     def update_weights(self, state_dict, policy_version: Optional[int] = None) -> None:
         """pause -> drop the KV cache -> load weights -> set the version -> resume."""

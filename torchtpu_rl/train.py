@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="truncated importance sampling of the rollout/learner mismatch (default: token with "
                         "--rollout-quantization, else none)")
     g.add_argument("--rollout-is-threshold", type=float, default=2.0, help="the truncation threshold (> 0)")
+    g.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full fine-tuning); "
+                   "weight syncs send the adapters only")
+    g.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scale numerator (updates scaled by alpha/rank)")
+    g.add_argument("--lora-targets", action="append", default=None,
+                   help="module names the adapters go on (repeatable or comma-separated; default all-linear)")
     g = p.add_argument_group("topology")
     g.add_argument("--rollout-workers", type=int, default=1)
     g.add_argument("--mode", choices=("sync", "async"), default="sync")
@@ -204,6 +209,8 @@ def _check_args(args) -> None:
         v = getattr(args, name)
         if v is None or v < (0 if name == "steps" else 1):
             raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, not {v!r}")
+    if args.lora_rank < 0:
+        raise TrainError(f"--lora-rank must be >= 0, not {args.lora_rank}")
     if not args.rollout_is_threshold > 0:
         raise TrainError(f"--rollout-is-threshold must be > 0, not {args.rollout_is_threshold}")
     for name in ("save_every", "eval_every", "max_staleness"):
@@ -261,6 +268,25 @@ def _check_resume(ckpt: str, args, fingerprint: dict) -> dict:
         warnings.warn(f"resuming from {ckpt!r} (made with --data {meta.get('data')!r}) on --data {args.data!r}: the "
                       "data cursor continues at the same position", UserWarning, stacklevel=2)
     return meta
+
+
+def _lora_spec(args, cfg):
+    """The LoRA settings, their targets checked against the model's layers (built on the meta device)."""
+    if not args.lora_rank:
+        return None
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .lora import LoraSpec
+
+    targets = [t.strip() for item in (args.lora_targets or ["all-linear"]) for t in item.split(",") if t.strip()]
+    try:
+        spec = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha, targets=tuple(targets))
+        with torch.device("meta"):
+            spec.target_layers(AutoModelForCausalLM.from_config(cfg))
+    except ValueError as e:
+        raise TrainError(str(e)) from e
+    return spec
 
 
 def _learner_kwargs(args) -> dict:
@@ -426,6 +452,7 @@ def _setup(args) -> dict:
 
     _check_args(args)
     cfg = hf.causal_lm_config(args.model)  # refuses a directory that is not a causal LM, before any actor starts
+    lora = _lora_spec(args, cfg)
     fingerprint = hf.model_fingerprint(args.model)
     tokenizer = hf.load_tokenizer(args.model)
     hf.check_tokenizer_fits(tokenizer, cfg, args.model)
@@ -463,6 +490,7 @@ def _setup(args) -> dict:
     if args.rollout_quantization != "none":
         engine_kwargs["quantization"] = args.rollout_quantization
     return dict(tokenizer=tokenizer, fingerprint=fingerprint, ckpt=ckpt, meta=meta, dataset=dataset, eval_set=eval_set,
+                lora=lora,
                 rewards=rewards, weights=weights, sampling=sampling, engine_kwargs=engine_kwargs,
                 learner_kwargs=_learner_kwargs(args))
 
@@ -508,7 +536,7 @@ def main(argv=None) -> dict:
         ray_address = ray.get_runtime_context().gcs_address
         topo = make_topology(policy_fn, tokenizer.pad_token_id, num_rollout_workers=args.rollout_workers,
                              algo=args.algo, learner_kwargs=s["learner_kwargs"], engine_kwargs=s["engine_kwargs"],
-                             seed=args.seed,
+                             seed=args.seed, lora=s["lora"],
                              reward_model_dir=os.path.abspath(args.reward_model) if args.reward_model else None)
         outputs = None
         try:

@@ -153,7 +153,7 @@ class RolloutWorker:
     def update_weights(self, update: ws.WeightUpdate, seq: Optional[int] = None) -> dict:
         """Install an object-store update (the one control call of a sync)."""
         t0 = time.perf_counter()
-        update.plan.check_matches(self.engine.model.state_dict(), who=f"rollout worker {self.worker_index}")
+        update.plan.check_matches(self.engine.sync_reference(), who=f"rollout worker {self.worker_index}")
         tensors = self.receiver.receive(update)  # fetched outside the pause
         paused = self._install(update.version, tensors, seq)
         return {"worker": self.worker_index, "version": self.version, "seconds": time.perf_counter() - t0,
@@ -174,7 +174,7 @@ class RolloutWorker:
         """Take part in the learner's broadcast (the one control call of a collective sync)."""
         t0 = time.perf_counter()
         update, tensors = self.receiver.receive_broadcast()
-        update.plan.check_matches(self.engine.model.state_dict(), who=f"rollout worker {self.worker_index}")
+        update.plan.check_matches(self.engine.sync_reference(), who=f"rollout worker {self.worker_index}")
         paused = self._install(update.version, tensors, seq)
         return {"worker": self.worker_index, "version": self.version, "seconds": time.perf_counter() - t0,
                 "paused_s": paused, **self.receiver.last_timings}
@@ -195,13 +195,16 @@ class LearnerWorker:
 
     def __init__(self, policy_fn: Callable[[], torch.nn.Module], algo: str = "grpo",
                  learner_kwargs: Optional[dict] = None, seed: int = 0,
-                 bucket_bytes: int = ws.DEFAULT_BUCKET_BYTES, device: str = "tpu"):
+                 bucket_bytes: int = ws.DEFAULT_BUCKET_BYTES, device: str = "tpu", lora=None):
         import torchtpu  # noqa: F401
 
         from .learner import Learner
 
         _seed_all(seed)
         policy = policy_fn().to(device)
+        self.lora = lora  # a lora.LoraSpec: train adapters only, sync adapters only
+        if lora is not None:
+            policy = lora.apply(policy)
         kw = dict(learner_kwargs or {})
         # the Learner makes the reference policy (a frozen copy of the initial policy) on this
         # actor's device when kl_coef > 0: colocated with the policy
@@ -229,6 +232,10 @@ class LearnerWorker:
         return metrics
 
     def _weights(self) -> dict:
+        if self.lora is not None:
+            from .lora import adapter_state_dict
+
+            return adapter_state_dict(self.policy)
         return self.policy.state_dict()
 
     def publish_weights(self) -> ws.WeightUpdate:
@@ -261,6 +268,10 @@ class LearnerWorker:
         """The policy as a Hugging Face directory (``save_pretrained`` + tokenizer)."""
         from . import hf
 
+        if self.lora is not None:
+            from .lora import save_lora_hf
+
+            return save_lora_hf(self.policy, tokenizer, out_dir)
         return hf.save_hf(self.policy, tokenizer, out_dir)
 
     # ------------------------------------------------------------ checkpoints
@@ -383,14 +394,16 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
                   reward_fn: Optional[Callable] = None, reward_model_fn: Optional[Callable] = None,
                   reward_model_dir: Optional[str] = None, reward_in_actor: bool = False, max_restarts: int = 3,
                   worker_concurrency: int = 4, actor_options: Optional[dict] = None,
-                  rollout_quantization: Optional[str] = None) -> Topology:
+                  rollout_quantization: Optional[str] = None, lora=None) -> Topology:
     """Start the learner, ``num_rollout_workers`` rollout workers and (optionally) a reward actor
     on the connected Ray cluster. ``actor_options`` go to every ``.options()`` (e.g. a
     ``scheduling_strategy`` from a ray_integration slice reservation). ``reward_model_dir``: a
     Hugging Face sequence-classification directory for the reward actor. ``rollout_quantization``
     (``"int8"``, ``"int8_weight_only"``, ``"fp8"``): each rollout worker generates with a quantized
     copy of the weights, re-quantized after every sync (``RolloutEngine(quantization=...)``); pair it
-    with truncated importance sampling in the learner (``learner_kwargs={"tis_cap": 2.0}``)."""
+    with truncated importance sampling in the learner (``learner_kwargs={"tis_cap": 2.0}``). ``lora``
+    (:class:`~torchtpu_rl.lora.LoraSpec`): the learner trains LoRA adapters of the policy and syncs
+    only them; the rollout workers merge them into their weights."""
     import ray
 
     if not ray.is_initialized():
@@ -404,9 +417,11 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
             raise ValueError(f"make_topology: rollout_quantization must be one of {sorted(ROLLOUT_QUANTIZATION)} "
                              f"or None, not {rollout_quantization!r}")
         engine_kwargs = {**(engine_kwargs or {}), "quantization": rollout_quantization}
+    if lora is not None:
+        engine_kwargs = {**(engine_kwargs or {}), "lora": lora}
     base = {"num_cpus": 0, "runtime_env": {"env_vars": _actor_env()}, **(actor_options or {})}
     learner = ray.remote(LearnerWorker).options(**base).remote(
-        policy_fn, algo=algo, learner_kwargs=learner_kwargs, seed=seed, bucket_bytes=bucket_bytes)
+        policy_fn, algo=algo, learner_kwargs=learner_kwargs, seed=seed, bucket_bytes=bucket_bytes, lora=lora)
     wopts = {**base, "max_restarts": max_restarts, "max_concurrency": worker_concurrency}
     workers = [ray.remote(RolloutWorker).options(**wopts).remote(policy_fn, pad_id, i, engine_kwargs)
                for i in range(num_rollout_workers)]
