@@ -396,14 +396,16 @@ class RolloutEngine:
     the full-precision tensors of every weight update; the learner corrects the mismatch with
     truncated importance sampling (``Learner(tis_cap=...)``). ``lora``
     (:class:`~torchtpu_rl.lora.LoraSpec`): weight updates carry a LoRA learner's adapter tensors only,
-    merged into the model (``W_base + alpha / rank * B @ A``) before any quantization.
+    merged into the model (``W_base + alpha / rank * B @ A``) before any quantization. ``dtype``: the
+    rollout's parameter dtype (e.g. ``torch.bfloat16``), independent of the learner's: updates keep
+    arriving in the learner's dtype and are cast on loading.
     """
 
     def __init__(self, model: nn.Module, pad_id: int, prompt_buckets: Optional[BucketPolicy] = None,
                  response_buckets: Optional[BucketPolicy] = None, batch_buckets: Optional[BucketPolicy] = None,
                  device="tpu", compile: Optional[bool] = None, use_kv_cache: Optional[bool] = None,
                  sync_every: int = 4, policy_version: int = 0, quantization: Optional[str] = None,
-                 lora=None):
+                 lora=None, dtype: Optional[torch.dtype] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"RolloutEngine: model must be an nn.Module, not {type(model).__name__}")
         if quantization is not None and quantization not in ROLLOUT_QUANTIZATION:
@@ -415,7 +417,15 @@ class RolloutEngine:
         if lora is not None:
             from .lora import AdapterMerger
 
-            self.lora = AdapterMerger(self.model, lora)  # copies the float base weights: before quantizing
+            self.lora = AdapterMerger(self.model, lora)  # copies the base weights as the learner has them
+        self._reference = None  # what updates hold, when the rollout's dtype is not the source's
+        if dtype is not None:
+            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError(f"RolloutEngine: dtype must be a floating torch dtype, not {dtype!r}")
+            self._reference = {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+                               for k, v in self.model.state_dict().items()}
+            self.model = self.model.to(dtype=dtype)
         self.quantization = quantization
         self.quantized_layers: list = []
         if quantization is not None:
@@ -538,7 +548,9 @@ class RolloutEngine:
     def sync_reference(self) -> dict:
         """Name -> tensor (dtype, shape) of what a weight update must hold: the model's state dict, or
         with ``lora`` the adapter tensors of its target layers."""
-        return self.lora.reference() if self.lora is not None else self.model.state_dict()
+        if self.lora is not None:
+            return self.lora.reference()
+        return self._reference if self._reference is not None else self.model.state_dict()
 
     def update_weights(self, state_dict, policy_version: Optional[int] = None) -> None:
         """pause -> drop the KV cache -> load weights -> set the version -> resume."""

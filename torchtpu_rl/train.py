@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="local Hugging Face causal-LM directory (config.json, weights, tokenizer)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter dtype")
     g.add_argument("--bf16", action="store_true", help="same as --dtype bfloat16")
+    g.add_argument("--rollout-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="the rollout workers' parameter dtype (default: --dtype); weights sync in --dtype")
     g.add_argument("--data", help="training prompts: .jsonl or .parquet")
     g.add_argument("--prompt-key", default="prompt", help="the prompt column (text or chat messages)")
     g.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
@@ -489,6 +491,8 @@ def _setup(args) -> dict:
                                                            name="response")}
     if args.rollout_quantization != "none":
         engine_kwargs["quantization"] = args.rollout_quantization
+    if args.rollout_dtype and args.rollout_dtype != args.dtype:
+        engine_kwargs["dtype"] = args.rollout_dtype
     return dict(tokenizer=tokenizer, fingerprint=fingerprint, ckpt=ckpt, meta=meta, dataset=dataset, eval_set=eval_set,
                 lora=lora,
                 rewards=rewards, weights=weights, sampling=sampling, engine_kwargs=engine_kwargs,

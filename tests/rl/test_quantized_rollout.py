@@ -140,3 +140,22 @@ def test_train_flags_for_quantized_rollouts():
     with pytest.raises(train.TrainError, match="--rollout-is-threshold must be > 0"):
         train._check_args(train.parse_args(["--model", "m", "--data", "d", "--reward", "math_answer",
                                             "--rollout-is-threshold", "0"]))
+
+
+def test_rollout_dtype_is_independent_of_the_learners(ray_driver):
+    """A bfloat16 rollout worker fed by a float32 learner: the update is checked against float32 and
+    cast on loading."""
+    from torchtpu_rl import train
+    from torchtpu_rl.workers import LearnerWorker, RolloutWorker
+
+    learner = LearnerWorker(_model, learner_kwargs={"group_size": 2, "compile": False})
+    worker = RolloutWorker(_model, 0, engine_kwargs={"dtype": "bfloat16", "compile": False, **BUCKETS})
+    worker.update_weights(learner.publish_weights())
+    engine = worker.engine
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    want = learner.policy.model.layers[0].mlp.up_proj.weight.detach().cpu().to(torch.bfloat16)
+    assert torch.equal(engine.model.model.layers[0].mlp.up_proj.weight.cpu(), want)
+    batch = engine.generate(PROMPTS, GREEDY)
+    assert batch.logprobs.dtype == torch.float32 and batch.response_ids.shape == (4, 6)
+    args = train.parse_args(["--model", "m", "--data", "d", "--reward", "math_answer", "--rollout-dtype", "bfloat16"])
+    assert args.dtype == "float32" and args.rollout_dtype == "bfloat16"
