@@ -127,9 +127,12 @@ class AdapterMerger:
         return out
 
     def merged_weights(self, adapters: dict) -> dict:
-        """``{layer.weight: W_base + scale * B @ A}`` for a sync's adapter tensors."""
+        """``{layer.weight: W_base + scale * B @ A}`` for a sync's adapter tensors. On tpu the merges of all
+        layers are recorded and run as one XLA program (DeferAndFuse), compiled once per model."""
+        import torchtpu
+
         out = {}
-        with torch.no_grad():
+        with torch.no_grad(), torchtpu.execution_mode("defer_and_fuse"):
             for n, w in self.base.items():
                 a = adapters[f"{self.PREFIX}{n}.lora_A.weight"].to(w.device, torch.float32)
                 b = adapters[f"{self.PREFIX}{n}.lora_B.weight"].to(w.device, torch.float32)
