@@ -188,7 +188,11 @@ def train_command(prep: dict, args) -> list:
             "--kl-coef", str(args.kl_coef), "--rollout-workers", str(args.workers), "--mode", args.mode,
             "--max-prompt-tokens", "64", "--seed", str(args.seed), "--save-every", str(args.steps),
             "--out", os.path.join(args.out, "rl"), "--xla-cache", args.xla_cache] + (
-                ["--no-progress"] if args.no_progress else [])
+                ["--no-progress"] if args.no_progress else []) + (
+                # int8/fp8 rollouts: truncated importance sampling (token, 2.0) comes with them
+                ["--rollout-quantization", args.rollout_quantization]
+                if getattr(args, "rollout_quantization", "none") != "none" else []) + (
+                ["--lora-rank", str(args.lora_rank)] if getattr(args, "lora_rank", 0) else [])
 
 
 def main(argv=None) -> dict:
@@ -210,6 +214,8 @@ def main(argv=None) -> dict:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--mode", choices=("sync", "async"), default="sync")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rollout-quantization", choices=("none", "int8", "int8_weight_only", "fp8"), default="none")
+    p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters (all linear layers) of this rank")
     p.add_argument("--xla-cache", default=os.path.join("runs", "xla_cache"))
     p.add_argument("--data-only", action="store_true", help="write the task's jsonl files and stop (e.g. to train "
                                                              "a real checkpoint on them, see README.md)")

@@ -68,6 +68,8 @@ from . import distributed as _distributed  # noqa: E402
 
 _distributed.register()  # the "tpu" torch.distributed backend
 
+from . import quantization  # noqa: E402  (torchao is imported on first use)
+
 
 def device() -> torch.device:
     """The ``tpu`` device of this process (``torch.device("tpu", 0)``)."""
@@ -85,6 +87,7 @@ __all__ = [
     "enable_persistent_cache",
     "execution_mode",
     "from_jax",
+    "quantization",
     "get_execution_mode",
     "metrics",
     "profiler",

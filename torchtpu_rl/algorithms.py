@@ -34,6 +34,7 @@ __all__ = [
     "masked_mean",
     "masked_whiten",
     "policy_loss",
+    "rollout_mismatch_stats",
     "truncated_is_weights",
     "value_loss",
 ]
@@ -225,21 +226,56 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return 0.5 * agg_loss(per_tok, mask, agg, global_tokens)
 
 
+IS_LEVELS = ("token", "sequence")
+
+
 def truncated_is_weights(behaviour_logp: torch.Tensor, old_logp: torch.Tensor, cap: float = 2.0,
-                         mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Truncated importance weights ``min(exp(old_logp - behaviour_logp), cap)`` per token (no grad).
+                         mask: Optional[torch.Tensor] = None, level: str = "token") -> torch.Tensor:
+    """Truncated importance weights (no grad), verl's ``rollout_is``: per token
+    ``min(exp(old_logp - behaviour_logp), cap)``, or per sequence (``level="sequence"``)
+    ``min(exp(sum over the sequence's tokens of (old_logp - behaviour_logp)), cap)`` given to each of
+    its tokens.
 
     ``behaviour_logp``: log-probs of the policy that sampled (the rollout's, possibly an older
-    ``policy_version`` or another engine's numerics); ``old_logp``: the learner's recompute.
-    Zero outside ``mask`` when given.
+    ``policy_version`` or another engine's numerics: a quantized rollout); ``old_logp``: the
+    learner's recompute. Zero outside ``mask`` when given.
     """
+    w, _ = _is_ratios(behaviour_logp, old_logp, cap, mask, level, "truncated_is_weights")
+    return w.clamp(max=cap) if mask is None else w.clamp(max=cap) * _mask_like(mask, w)
+
+
+def _is_ratios(behaviour_logp, old_logp, cap, mask, level, who):
+    """(per-token ratios, per-unit ratios: tokens (B, T) or sequences (B,)), untruncated."""
     if behaviour_logp.shape != old_logp.shape:
-        raise ValueError(f"truncated_is_weights: shapes {tuple(behaviour_logp.shape)} and "
-                         f"{tuple(old_logp.shape)} differ")
+        raise ValueError(f"{who}: shapes {tuple(behaviour_logp.shape)} and {tuple(old_logp.shape)} differ")
     if not cap > 0:
-        raise ValueError(f"truncated_is_weights: cap must be > 0, not {cap}")
+        raise ValueError(f"{who}: cap must be > 0, not {cap}")
+    if level not in IS_LEVELS:
+        raise ValueError(f"{who}: level must be one of {IS_LEVELS}, not {level!r}")
     with torch.no_grad():
-        w = torch.exp(old_logp.detach() - behaviour_logp.detach()).clamp(max=cap)
+        log_r = old_logp.detach() - behaviour_logp.detach()
         if mask is not None:
-            w = w * _mask_like(mask, w)
-    return w
+            log_r = log_r * _mask_like(mask, log_r)
+        if level == "token":
+            r = torch.exp(log_r)
+            return r, r
+        seq = torch.exp(log_r.sum(-1))
+        return seq[:, None].expand_as(log_r), seq
+
+
+def rollout_mismatch_stats(behaviour_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
+                           cap: float = 2.0, level: str = "token") -> torch.Tensor:
+    """``[is_ratio_mean, is_clipped_frac, rollout_kl]`` as one device tensor (no grad): the mean
+    untruncated importance ratio and the fraction above ``cap`` over response tokens (``level="token"``)
+    or sequences, and the k3 estimate of KL(rollout policy || learner policy) per response token,
+    from the rollout's samples."""
+    _, units = _is_ratios(behaviour_logp, old_logp, cap, mask, level, "rollout_mismatch_stats")
+    with torch.no_grad():
+        m = _mask_like(mask, old_logp)
+        if level == "sequence":
+            m = (m.sum(-1) > 0).to(units.dtype)  # sequences with at least one response token
+        ratio_mean = masked_mean(units, m)
+        clipped = masked_mean((units > cap).to(units.dtype), m)
+        tok = _mask_like(mask, old_logp)
+        kl = masked_mean(kl_estimate(behaviour_logp.detach(), old_logp.detach(), "k3"), tok)
+        return torch.stack([ratio_mean, clipped, kl]).float()

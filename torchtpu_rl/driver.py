@@ -717,6 +717,7 @@ class RLDriver:
             "reward_s": t_rew,
             "learner_call_s": t_train,
             "sync_s": self.last_sync.get("sync_s") if self.mode == "sync" else None,
+            "sync_bytes": self.last_sync.get("bytes"),  # a LoRA learner sends its adapters only
             "faults": sum(1 for e in self.events if e["event"] == "worker_died" and e["step"] == sr.step),
         }
         if self.mode == "sync":  # the sync's phases (async: the sync finishes during the next step)

@@ -181,7 +181,10 @@ class Learner:
     ``kl_coef > 0``) is a loss term for GRPO (``kl_kind="k3"``) and a per-token reward penalty for
     PPO (``kl_kind="k1"``) unless ``kl_in_reward`` says otherwise. ``eps_low``/``eps_high``: the
     clip range. ``loss_agg``: see :func:`torchtpu_rl.algorithms.agg_loss`. ``tis_cap``: truncated
-    IS cap (None: off). PPO: ``critic`` (default: a :class:`ValueModel` whose trunk is a copy of
+    IS cap (None: off; verl's ``rollout_is_threshold``, 2.0 with quantized rollouts), ``tis_level``
+    ``"token"`` or ``"sequence"`` (verl's ``rollout_is``). Every step logs ``is_ratio_mean``,
+    ``is_clipped_frac`` (above the cap, 2.0 when off) and ``rollout_kl`` (k3 estimate of
+    KL(rollout || learner) per response token). PPO: ``critic`` (default: a :class:`ValueModel` whose trunk is a copy of
     the policy), ``critic_lr``, ``value_clip``, ``gamma``, ``lam``, ``whiten_advantages``.
     ``temperature``: the sampling temperature the rollouts used (log-probs are scored with it;
     default: the batch's). ``compile``: run each micro-batch's forward + loss (and its backward)
@@ -205,7 +208,7 @@ class Learner:
                  grpo_normalize_std: bool = True, temperature: Optional[float] = None, device="tpu",
                  length_buckets: Optional[BucketPolicy] = None, compile: Optional[bool] = None, seed: int = 0,
                  micro_batch_tokens: Optional[int] = None, gradient_checkpointing: bool = False,
-                 param_dtype="float32"):
+                 param_dtype="float32", tis_level: str = "token"):
         if algo not in ("grpo", "ppo"):
             raise ValueError(f"Learner: algo must be 'grpo' or 'ppo', not {algo!r}")
         if loss_agg not in A.AGGREGATIONS:
@@ -243,7 +246,12 @@ class Learner:
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
         self.gradient_checkpointing = bool(gradient_checkpointing)
+        if tis_cap is not None and not tis_cap > 0:
+            raise ValueError(f"Learner: tis_cap (the rollout importance-sampling threshold) must be > 0, not {tis_cap}")
+        if tis_level not in A.IS_LEVELS:
+            raise ValueError(f"Learner: tis_level must be one of {A.IS_LEVELS}, not {tis_level!r}")
         self.tis_cap = tis_cap
+        self.tis_level = tis_level
         self.entropy_coef = float(entropy_coef)
         self.grad_clip = grad_clip
         self.gamma, self.lam = float(gamma), float(lam)
@@ -414,10 +422,13 @@ class Learner:
             returns_d = returns.to(dev) if returns is not None else None
 
             # behaviour -> old importance weights (rollouts from an older version or another engine)
-            isw = A.truncated_is_weights(blogp_d, old_logp, self.tis_cap, rmask_d) if self.tis_cap else None
+            isw = (A.truncated_is_weights(blogp_d, old_logp, self.tis_cap, rmask_d, self.tis_level)
+                   if self.tis_cap else None)
             # how far the rollout's log-probs are from this recompute (engine numerics, staleness)
             diff = (blogp_d - old_logp).abs() * rmask_d
-            agreement = torch.stack([diff.max(), diff.sum() / rmask_d.sum().clamp(min=1.0)])
+            agreement = torch.cat([
+                torch.stack([diff.max(), diff.sum() / rmask_d.sum().clamp(min=1.0)]).float(),
+                A.rollout_mismatch_stats(blogp_d, old_logp, rmask_d, self.tis_cap or 2.0, self.tis_level)])
 
             # ---- 4. updates
             stats = []
@@ -437,7 +448,7 @@ class Learner:
         dt = time.perf_counter() - t0
         ntok = int(rmask.sum())
         real_tok = int(am.sum())
-        m = {k: float(vals_h[:-2].reshape(len(stats), len(keys))[:, j].mean()) for j, k in enumerate(keys)}
+        m = {k: float(vals_h[:-5].reshape(len(stats), len(keys))[:, j].mean()) for j, k in enumerate(keys)}
         versions = batch.policy_version
         m.update({
             "reward_mean": float(r.mean()), "reward_std": float(r.std()) if B > 1 else 0.0,
@@ -445,7 +456,8 @@ class Learner:
             "response_tokens": ntok, "optimizer_steps": n_opt, "step_seconds": dt,
             "tokens_per_s": ntok * self.ppo_epochs / dt if dt > 0 else float("nan"),
             "learner_tokens_per_s": real_tok * self.ppo_epochs / dt if dt > 0 else float("nan"),
-            "rollout_logprob_diff_max": float(vals_h[-2]), "rollout_logprob_diff_mean": float(vals_h[-1]),
+            "rollout_logprob_diff_max": float(vals_h[-5]), "rollout_logprob_diff_mean": float(vals_h[-4]),
+            "is_ratio_mean": float(vals_h[-3]), "is_clipped_frac": float(vals_h[-2]), "rollout_kl": float(vals_h[-1]),
             "policy_version": self.policy_version,
             "staleness_max": int(self.policy_version - 1 - int(versions.min())) if B else 0,
         })

@@ -374,6 +374,11 @@ def _is_int_list(p):
     return isinstance(p, (list, tuple)) or (isinstance(p, torch.Tensor) and p.dim() == 1)
 
 
+# --rollout-quantization name -> torchtpu.quantization scheme (torchao allows float8 activations on
+# CUDA only, so fp8 rollouts quantize the weights)
+ROLLOUT_QUANTIZATION = {"int8": "int8_dynamic", "int8_weight_only": "int8_weight_only", "fp8": "fp8_weight_only"}
+
+
 class RolloutEngine:
     """Batched generation for a causal-LM policy on ``device``.
 
@@ -385,16 +390,49 @@ class RolloutEngine:
     on for tpu); ``use_kv_cache`` (default: when the model supports it; a Hugging Face model
     that cannot be cached warns once, naming its family and why, and recomputes instead).
     ``sync_every``: host checks for "all sequences stopped" every that many steps.
+    ``quantization``: generate with a quantized copy of the weights (``"int8"``: int8 weights and
+    activations, an int8 x int8 dot; ``"int8_weight_only"``; ``"fp8"``: float8 weights), made with
+    :func:`torchtpu.quantization.quantize_` (the output layer stays in float) and re-quantized from
+    the full-precision tensors of every weight update; the learner corrects the mismatch with
+    truncated importance sampling (``Learner(tis_cap=...)``). ``lora``
+    (:class:`~torchtpu_rl.lora.LoraSpec`): weight updates carry a LoRA learner's adapter tensors only,
+    merged into the model (``W_base + alpha / rank * B @ A``) before any quantization. ``dtype``: the
+    rollout's parameter dtype (e.g. ``torch.bfloat16``), independent of the learner's: updates keep
+    arriving in the learner's dtype and are cast on loading.
     """
 
     def __init__(self, model: nn.Module, pad_id: int, prompt_buckets: Optional[BucketPolicy] = None,
                  response_buckets: Optional[BucketPolicy] = None, batch_buckets: Optional[BucketPolicy] = None,
                  device="tpu", compile: Optional[bool] = None, use_kv_cache: Optional[bool] = None,
-                 sync_every: int = 4, policy_version: int = 0):
+                 sync_every: int = 4, policy_version: int = 0, quantization: Optional[str] = None,
+                 lora=None, dtype: Optional[torch.dtype] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"RolloutEngine: model must be an nn.Module, not {type(model).__name__}")
+        if quantization is not None and quantization not in ROLLOUT_QUANTIZATION:
+            raise ValueError(f"RolloutEngine: quantization must be one of {sorted(ROLLOUT_QUANTIZATION)} or None, "
+                             f"not {quantization!r}")
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
+        self.lora = None
+        if lora is not None:
+            from .lora import AdapterMerger
+
+            self.lora = AdapterMerger(self.model, lora)  # copies the base weights as the learner has them
+        self._reference = None  # what updates hold, when the rollout's dtype is not the source's
+        if dtype is not None:
+            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError(f"RolloutEngine: dtype must be a floating torch dtype, not {dtype!r}")
+            self._reference = {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+                               for k, v in self.model.state_dict().items()}
+            self.model = self.model.to(dtype=dtype)
+        self.quantization = quantization
+        self.quantized_layers: list = []
+        if quantization is not None:
+            import torchtpu.quantization
+
+            with torch.no_grad():
+                self.quantized_layers = torchtpu.quantization.quantize_(self.model, ROLLOUT_QUANTIZATION[quantization])
         self.pad_id = operator.index(pad_id)
         cfg = getattr(model, "config", None)
         self.max_seq_len = getattr(cfg, "max_seq_len", None) or getattr(cfg, "max_position_embeddings", None)
@@ -476,10 +514,50 @@ class RolloutEngine:
         """Install weights into the model in place: a tpu tensor that is its own storage takes the
         new tensor's buffer (a swap, no copy), anything else is copied into; the model's tensor
         objects stay, so compiled decode steps stay valid
-        (:func:`~torchtpu_rl.weight_sync.install_state_dict`). Returns ``{"swapped", "copied"}``."""
+        (:func:`~torchtpu_rl.weight_sync.install_state_dict`). With ``quantization``, the
+        full-precision weights of the quantized layers are quantized again; with ``lora``,
+        ``state_dict`` holds adapter tensors, merged into the target layers. Returns
+        ``{"swapped", "copied"}``."""
         from .weight_sync import install_state_dict
 
-        return install_state_dict(self.model, state_dict, strict=strict)
+        with torch.no_grad():
+            if self.lora is not None:
+                unknown = self.lora.unknown(state_dict)
+                if unknown is not None:
+                    raise ValueError(f"RolloutEngine.load_state_dict: {unknown!r} is not an adapter tensor of this "
+                                     f"engine's LoRA targets")
+                state_dict, strict = self.lora.merged_weights(state_dict), False
+            if not self.quantized_layers:
+                return install_state_dict(self.model, state_dict, strict=strict)
+            return self._load_and_requantize(state_dict, strict)
+
+    def _load_and_requantize(self, state_dict, strict: bool) -> dict:
+        import torchtpu.quantization
+
+        from .weight_sync import install_state_dict
+
+        quantized = {f"{name}.weight": name for name in self.quantized_layers}
+        missing = [k for k in self.model.state_dict() if k not in state_dict]
+        if strict and missing:
+            raise RuntimeError(f"RolloutEngine.load_state_dict: missing keys {missing}")
+        out = install_state_dict(self.model, {k: v for k, v in state_dict.items() if k not in quantized}, strict=False)
+        fresh = set()
+        for key, name in quantized.items():
+            if key in state_dict:
+                layer = self.model.get_submodule(name)
+                dtype = layer.weight.dtype  # a quantized tensor reports the dtype it was quantized from
+                layer.weight = nn.Parameter(state_dict[key].to(self.device, dtype), requires_grad=False)
+                fresh.add(name)
+        torchtpu.quantization.quantize_(self.model, ROLLOUT_QUANTIZATION[self.quantization],
+                                        skip=lambda name, _: name not in fresh)
+        return out
+
+    def sync_reference(self) -> dict:
+        """Name -> tensor (dtype, shape) of what a weight update must hold: the model's state dict, or
+        with ``lora`` the adapter tensors of its target layers."""
+        if self.lora is not None:
+            return self.lora.reference()
+        return self._reference if self._reference is not None else self.model.state_dict()
 
     def update_weights(self, state_dict, policy_version: Optional[int] = None) -> dict:
         """pause -> drop the KV cache -> load weights -> set the version -> resume."""

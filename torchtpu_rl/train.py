@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="local Hugging Face causal-LM directory (config.json, weights, tokenizer)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter dtype")
     g.add_argument("--bf16", action="store_true", help="same as --dtype bfloat16")
+    g.add_argument("--rollout-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="the rollout workers' parameter dtype (default: --dtype); weights sync in --dtype")
     g.add_argument("--data", help="training prompts: .jsonl or .parquet")
     g.add_argument("--prompt-key", default="prompt", help="the prompt column (text or chat messages)")
     g.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
@@ -98,6 +100,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-tokens", type=int, help="micro-batches by a token budget instead of rows")
     g.add_argument("--gradient-checkpointing", action="store_true")
     g.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
+    g.add_argument("--rollout-quantization", choices=("none", "int8", "int8_weight_only", "fp8"), default="none",
+                   help="rollout workers generate with quantized weights (int8: int8 weights and activations), "
+                        "re-quantized after every weight sync")
+    g.add_argument("--rollout-is", choices=("token", "sequence", "none"), default=None,
+                   help="truncated importance sampling of the rollout/learner mismatch (default: token with "
+                        "--rollout-quantization, else none)")
+    g.add_argument("--rollout-is-threshold", type=float, default=2.0, help="the truncation threshold (> 0)")
+    g.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: full fine-tuning); "
+                   "weight syncs send the adapters only")
+    g.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scale numerator (updates scaled by alpha/rank)")
+    g.add_argument("--lora-targets", action="append", default=None,
+                   help="module names the adapters go on (repeatable or comma-separated; default all-linear)")
     g = p.add_argument_group("topology")
     g.add_argument("--rollout-workers", type=int, default=1)
     g.add_argument("--mode", choices=("sync", "async"), default="sync")
@@ -203,6 +217,10 @@ def _check_args(args) -> None:
         v = getattr(args, name)
         if v is None or v < (0 if name == "steps" else 1):
             raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, not {v!r}")
+    if args.lora_rank < 0:
+        raise TrainError(f"--lora-rank must be >= 0, not {args.lora_rank}")
+    if not args.rollout_is_threshold > 0:
+        raise TrainError(f"--rollout-is-threshold must be > 0, not {args.rollout_is_threshold}")
     for name in ("save_every", "eval_every", "max_staleness"):
         if getattr(args, name) < 0:
             raise TrainError(f"--{name.replace('_', '-')} must be >= 0")
@@ -260,6 +278,25 @@ def _check_resume(ckpt: str, args, fingerprint: dict) -> dict:
     return meta
 
 
+def _lora_spec(args, cfg):
+    """The LoRA settings, their targets checked against the model's layers (built on the meta device)."""
+    if not args.lora_rank:
+        return None
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .lora import LoraSpec
+
+    targets = [t.strip() for item in (args.lora_targets or ["all-linear"]) for t in item.split(",") if t.strip()]
+    try:
+        spec = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha, targets=tuple(targets))
+        with torch.device("meta"):
+            spec.target_layers(AutoModelForCausalLM.from_config(cfg))
+    except ValueError as e:
+        raise TrainError(str(e)) from e
+    return spec
+
+
 def _learner_kwargs(args) -> dict:
     kw = dict(lr=args.lr, kl_coef=args.kl_coef, grad_clip=args.grad_clip or None, seed=args.seed,
               ppo_epochs=args.ppo_epochs, mini_batch_size=args.mini_batch_size, micro_batch_size=args.micro_batch_size,
@@ -268,6 +305,9 @@ def _learner_kwargs(args) -> dict:
               param_dtype=args.dtype)
     if args.algo == "grpo":
         kw["group_size"] = args.group_size
+    level = args.rollout_is or ("token" if args.rollout_quantization != "none" else "none")
+    if level != "none":
+        kw.update(tis_cap=args.rollout_is_threshold, tis_level=level)
     return kw
 
 
@@ -425,6 +465,7 @@ def _setup(args) -> dict:
 
     _check_args(args)
     cfg = hf.causal_lm_config(args.model)  # refuses a directory that is not a causal LM, before any actor starts
+    lora = _lora_spec(args, cfg)
     fingerprint = hf.model_fingerprint(args.model)
     tokenizer = hf.load_tokenizer(args.model)
     hf.check_tokenizer_fits(tokenizer, cfg, args.model)
@@ -459,7 +500,12 @@ def _setup(args) -> dict:
                                                          name="prompt"),
                      "response_buckets": BucketPolicy.pow2(min(8, args.max_new_tokens), args.max_new_tokens,
                                                            name="response")}
+    if args.rollout_quantization != "none":
+        engine_kwargs["quantization"] = args.rollout_quantization
+    if args.rollout_dtype and args.rollout_dtype != args.dtype:
+        engine_kwargs["dtype"] = args.rollout_dtype
     return dict(tokenizer=tokenizer, fingerprint=fingerprint, ckpt=ckpt, meta=meta, dataset=dataset, eval_set=eval_set,
+                lora=lora,
                 rewards=rewards, weights=weights, sampling=sampling, engine_kwargs=engine_kwargs,
                 learner_kwargs=_learner_kwargs(args))
 
@@ -505,7 +551,8 @@ def main(argv=None) -> dict:
         ray_address = ray.get_runtime_context().gcs_address
         topo = make_topology(policy_fn, tokenizer.pad_token_id, num_rollout_workers=args.rollout_workers,
                              algo=args.algo, learner_kwargs=s["learner_kwargs"], engine_kwargs=s["engine_kwargs"],
-                             seed=args.seed, sync_dtype=None if args.sync_dtype == "float32" else args.sync_dtype,
+                             seed=args.seed, lora=s["lora"],
+                             sync_dtype=None if args.sync_dtype == "float32" else args.sync_dtype,
                              reward_model_dir=os.path.abspath(args.reward_model) if args.reward_model else None)
         outputs = None
         try:

@@ -159,7 +159,7 @@ class RolloutWorker:
         """Install an object-store update (the one control call of a sync)."""
         t0 = time.perf_counter()
         try:
-            update.plan.check_matches(self.engine.model.state_dict(), who=f"rollout worker {self.worker_index}")
+            update.plan.check_matches(self.engine.sync_reference(), who=f"rollout worker {self.worker_index}")
             tensors = self.receiver.receive(update)  # fetched outside the pause
         except BaseException:
             self._skip_turn(seq)
@@ -186,7 +186,7 @@ class RolloutWorker:
             if self.receiver.group is None:  # e.g. a restarted process the group was not rebuilt for yet
                 raise ws.SyncAborted(f"rollout worker {self.worker_index} is not in the weight-sync group")
             update, tensors = self.receiver.receive_broadcast()
-            update.plan.check_matches(self.engine.model.state_dict(), who=f"rollout worker {self.worker_index}")
+            update.plan.check_matches(self.engine.sync_reference(), who=f"rollout worker {self.worker_index}")
         except BaseException:
             self._skip_turn(seq)
             raise
@@ -218,13 +218,16 @@ class LearnerWorker:
     def __init__(self, policy_fn: Callable[[], torch.nn.Module], algo: str = "grpo",
                  learner_kwargs: Optional[dict] = None, seed: int = 0,
                  bucket_bytes: int = ws.DEFAULT_BUCKET_BYTES, device: str = "tpu",
-                 sync_dtype: Optional[torch.dtype] = None):
+                 sync_dtype: Optional[torch.dtype] = None, lora=None):
         import torchtpu  # noqa: F401
 
         from .learner import Learner
 
         _seed_all(seed)
         policy = policy_fn().to(device)
+        self.lora = lora  # a lora.LoraSpec: train adapters only, sync adapters only
+        if lora is not None:
+            policy = lora.apply(policy)
         kw = dict(learner_kwargs or {})
         # the Learner makes the reference policy (a frozen copy of the initial policy) on this
         # actor's device when kl_coef > 0: colocated with the policy
@@ -257,6 +260,10 @@ class LearnerWorker:
         return metrics
 
     def _weights(self) -> dict:
+        if self.lora is not None:
+            from .lora import adapter_state_dict
+
+            return adapter_state_dict(self.policy)
         return self.policy.state_dict()
 
     def publish_weights(self) -> ws.WeightUpdate:
@@ -289,6 +296,10 @@ class LearnerWorker:
         """The policy as a Hugging Face directory (``save_pretrained`` + tokenizer)."""
         from . import hf
 
+        if self.lora is not None:
+            from .lora import save_lora_hf
+
+            return save_lora_hf(self.policy, tokenizer, out_dir)
         return hf.save_hf(self.policy, tokenizer, out_dir)
 
     # ------------------------------------------------------------ checkpoints
@@ -454,13 +465,19 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
                   reward_fn: Optional[Callable] = None, reward_model_fn: Optional[Callable] = None,
                   reward_model_dir: Optional[str] = None, reward_in_actor: bool = False, max_restarts: int = 3,
                   worker_concurrency: int = 4, actor_options: Optional[dict] = None,
-                  sync_dtype: Optional[torch.dtype] = None) -> Topology:
+                  sync_dtype: Optional[torch.dtype] = None, rollout_quantization: Optional[str] = None,
+                  lora=None) -> Topology:
     """Start the learner, ``num_rollout_workers`` rollout workers and (optionally) a reward actor
     on the connected Ray cluster. ``actor_options`` go to every ``.options()`` (e.g. a
     ``scheduling_strategy`` from a ray_integration slice reservation). ``reward_model_dir``: a
-    Hugging Face sequence-classification directory for the reward actor. Every actor is
-    restarted by Ray up to ``max_restarts`` times when it dies. ``sync_dtype=torch.bfloat16``:
-    float32 weights travel to the workers as bfloat16 (weight_sync)."""
+    Hugging Face sequence-classification directory for the reward actor. ``rollout_quantization``
+    (``"int8"``, ``"int8_weight_only"``, ``"fp8"``): each rollout worker generates with a quantized
+    copy of the weights, re-quantized after every sync (``RolloutEngine(quantization=...)``); pair it
+    with truncated importance sampling in the learner (``learner_kwargs={"tis_cap": 2.0}``). ``lora``
+    (:class:`~torchtpu_rl.lora.LoraSpec`): the learner trains LoRA adapters of the policy and syncs
+    only them; the rollout workers merge them into their weights. Every actor is restarted by Ray up
+    to ``max_restarts`` times when it dies. ``sync_dtype=torch.bfloat16``: float32 weights travel to the
+    workers as bfloat16 (weight_sync)."""
     import ray
 
     if not ray.is_initialized():
@@ -469,6 +486,15 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
 
     if not isinstance(num_rollout_workers, int) or num_rollout_workers < 1:
         raise ValueError(f"num_rollout_workers must be a positive int, got {num_rollout_workers!r}")
+    if rollout_quantization is not None:
+        from .rollout import ROLLOUT_QUANTIZATION
+
+        if rollout_quantization not in ROLLOUT_QUANTIZATION:
+            raise ValueError(f"make_topology: rollout_quantization must be one of {sorted(ROLLOUT_QUANTIZATION)} "
+                             f"or None, not {rollout_quantization!r}")
+        engine_kwargs = {**(engine_kwargs or {}), "quantization": rollout_quantization}
+    if lora is not None:
+        engine_kwargs = {**(engine_kwargs or {}), "lora": lora}
     ws.check_sync_dtype(sync_dtype)
     base = {"num_cpus": 0, "runtime_env": {"env_vars": _actor_env()}, **(actor_options or {})}
     # on a TPU cluster the learner and each rollout worker get a chip (the learner on a slice's worker 0)
@@ -478,7 +504,8 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
                           f"{num_rollout_workers} rollout worker(s))", tpu)
     lopts = {**base, **(tpu_actor_options(slice_head=True, capacity=tpu) if tpu else {}), "max_restarts": max_restarts}
     largs = ((policy_fn,), {"algo": algo, "learner_kwargs": learner_kwargs, "seed": seed,
-                            "bucket_bytes": bucket_bytes, "sync_dtype": sync_dtype})
+                            "bucket_bytes": bucket_bytes, "sync_dtype": sync_dtype,
+                            "lora": lora})
     learner = ray.remote(LearnerWorker).options(**lopts).remote(*largs[0], **largs[1])
     wopts = {**base, **(tpu_actor_options(capacity=tpu) if tpu else {}), "max_restarts": max_restarts,
              "max_concurrency": worker_concurrency}

@@ -26,6 +26,7 @@ TORCHTPU_LAYERS = {
     "torchtpu.serialization": 4,
     "torchtpu.distributed": 4,
     "torchtpu.profiler": 4,
+    "torchtpu.quantization": 4,
     "torchtpu.compile": 5,
     "torchtpu": 6,  # __init__ wires the layers together
 }

@@ -52,6 +52,7 @@ from .nodes import (
     op_is_random,
     rng_state_to_key,
     rng_wrapped_op,
+    run_out_dtype,
 )
 from .padding import pad_unsafe_reason
 from .shapes import NotBucketable, eval_size, is_symbolic, size_expr, val_shape
@@ -185,6 +186,9 @@ class GraphProgram:
                                            val_shape(dv, env))
                     env_nodes[node] = env_nodes[dst] = res
                     mutations[self.ph_pos[dst]] = res
+                    continue
+                if kind == "out_dtype":
+                    env_nodes[node] = self._fix(node, run_out_dtype(*args), env)
                     continue
                 if kind == "rng":
                     key_data = None

@@ -317,9 +317,23 @@ def bind_args(op, args, kwargs):
     return out
 
 
+OUT_DTYPE = torch.ops.higher_order.out_dtype
+
+
+def run_out_dtype(op, output_dtype, *operands):
+    """The ``out_dtype`` higher-order op (torchao's int8 matmul under torch.compile): ``op`` computed in
+    ``output_dtype``; int8 mm -> int32 is one integer dot (``_int_mm``), as in the eager modes."""
+    if op is aten.mm.default and output_dtype == torch.int32 and all(x.dtype == jnp.int8 for x in operands):
+        return LOWERINGS["aten::_int_mm.default"].fn(*operands)
+    out = dtypes.to_jax(output_dtype)
+    common = jnp.result_type(*operands, out)
+    return LOWERINGS[qualified_name(op)].fn(*bind_args(op, [x.astype(common) for x in operands], {})).astype(out)
+
+
 def node_kind(node):
     """How a call_function node is executed: 'lower', 'view', 'getitem', 'copy', 'sym', 'rng' (a random op
-    under activation checkpointing), 'py', or None (unsupported)."""
+    under activation checkpointing), 'out_dtype' (that higher-order op around a lowered op), 'py', or None
+    (unsupported)."""
     t = node.target
     if t is operator.getitem:
         return "getitem"
@@ -328,6 +342,9 @@ def node_kind(node):
         return "copy" if node.args[0].op == "placeholder" else None
     if t in SYM_OPS:
         return "sym"
+    if t is OUT_DTYPE:
+        inner = node.args[0]
+        return "out_dtype" if isinstance(inner, torch._ops.OpOverload) and qualified_name(inner) in LOWERINGS else None
     if t is RUN_AND_SAVE_RNG or t is RUN_WITH_RNG:
         inner, _ = rng_wrapped_op(node)
         lowered = isinstance(inner, torch._ops.OpOverload) and (

@@ -19,11 +19,14 @@ import jax
 import jax.numpy as jnp
 import torch
 from jax import lax
+from torch._C import DispatchKey
+from torch._higher_order_ops.out_dtype import out_dtype, out_dtype_fallback
 
 from ..base.frames import warn_once_at_user_line
 from ..dispatch.lowering import impl, lower
 
 _LOW = (jnp.bfloat16, jnp.float16)
+_NARROW_INT = (jnp.int8, jnp.uint8, jnp.int16)
 
 
 def matmul_precision():
@@ -48,6 +51,10 @@ def mm(a, b):
     """``a @ b`` (batched by leading dims) with PyTorch's precision and accumulation."""
     if a.dtype == jnp.bool_:
         return jnp.matmul(a.astype(jnp.int32), b.astype(jnp.int32)) != 0
+    if a.dtype in _NARROW_INT:
+        # an integer dot accumulating in int32 (the MXU's int8 path); wrapping back to the narrow type
+        # gives CPU's result, which is the same sum modulo 2**bits
+        return jnp.matmul(a, b, preferred_element_type=jnp.int32).astype(a.dtype)
     return jnp.matmul(a, b, **_dot_kwargs(a))
 
 
@@ -71,6 +78,45 @@ def _axpby(beta, c, alpha, p):
 @lower("mm", "bmm")
 def _mm(a, b):
     return mm(a, b)
+
+
+# ------------------------------------------- quantized products (torchao's int8 / float8 linears)
+@lower("_int_mm")
+def _int_mm(a, b):
+    """int8 x int8 -> int32: one integer dot with int32 accumulation."""
+    return lax.dot(a, b, preferred_element_type=jnp.int32)
+
+
+def _out_dtype_on_tpu(op, output_dtype, *args):
+    """The ``out_dtype`` higher-order op (torchao's ``safe_int_mm``): int8 mm -> int32 is ``_int_mm``
+    on tpu, as on CUDA (torch's dense kernel would widen both operands to int32 first)."""
+    if (op is torch.ops.aten.mm.default and output_dtype == torch.int32 and len(args) == 2
+            and all(a.dtype == torch.int8 for a in args)):
+        return torch._int_mm(*args)
+    return out_dtype_fallback(op, output_dtype, *args)
+
+
+out_dtype.py_impl(DispatchKey.PrivateUse1)(_out_dtype_on_tpu)
+
+
+@lower("_weight_int8pack_mm")
+def _weight_int8pack_mm(x, w, scales):
+    """``x @ w.T * scales`` with ``w`` (N, K) int8 per-output-channel: the int8 -> float convert sits
+    inside the dot's fusion, so the weight is read from memory as int8."""
+    y = lax.dot_general(x, w.astype(x.dtype), (((1,), (1,)), ((), ())), **_dot_kwargs(x))
+    return y * scales.astype(y.dtype)
+
+
+@lower("_scaled_mm")
+def _scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+    """float8 (or int8) ``a @ b`` accumulated in float32 (int32), scaled by tensor-wise or row-wise
+    ``scale_a`` (M, 1) / ``scale_b`` (1, N), plus ``bias``; the dot takes XLA's float8 types as they are."""
+    acc_type = jnp.int32 if jnp.issubdtype(a.dtype, jnp.integer) else jnp.float32
+    y = lax.dot(a, b, preferred_element_type=acc_type).astype(jnp.float32)
+    y = y * scale_a.astype(jnp.float32) * scale_b.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y
 
 
 @lower("mv")
