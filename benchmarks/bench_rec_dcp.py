@@ -23,19 +23,17 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import early_threads, pin_threads  # noqa: E402
+from common import early_threads, pin_threads, spawn_ranks  # noqa: E402
 
 pin_threads(early_threads())
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 WORLD = 2
 
@@ -159,13 +157,7 @@ def main():
         cfg.update(tables=4, rows=50_000, dim=32, repeats=2)
     workdir = tempfile.mkdtemp(prefix="bench_rec_dcp_", dir=a.dir)
     try:
-        ctx = mp.get_context("spawn")
-        q = ctx.Manager().Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.start_processes(_worker, args=(port, cfg, workdir, q), nprocs=WORLD, join=True, start_method="spawn")
-        res = q.get()
+        res = spawn_ranks(_worker, WORLD, cfg, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     out = {"config": cfg, "world_size": WORLD, "results": res, "load_average": os.getloadavg()}

@@ -25,18 +25,16 @@ import argparse
 import itertools
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import early_threads, pin_threads  # noqa: E402
+from common import early_threads, pin_threads, spawn_ranks  # noqa: E402
 
 pin_threads(early_threads())
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 WORLD = 2
 
@@ -154,13 +152,7 @@ def _worker(rank, port, cfg, out_q):
 
 
 def _run(cfg):
-    ctx = mp.get_context("spawn")
-    q = ctx.Manager().Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(port, cfg, q), nprocs=WORLD, join=True, start_method="spawn")
-    return q.get()
+    return spawn_ranks(_worker, WORLD, cfg)
 
 
 def main():

@@ -124,3 +124,18 @@ def write_json(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
     print(f"wrote {path}")
+
+
+def spawn_ranks(worker, nprocs: int, *args):
+    """Run ``worker(rank, port, *args, queue)`` in ``nprocs`` spawned processes (``port``: a free
+    rendezvous port on this host) and return the first thing a rank put on ``queue``."""
+    import socket
+
+    import torch.multiprocessing as mp  # here, not at the top: pin_threads runs before torch loads
+
+    queue = mp.get_context("spawn").Manager().Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(worker, args=(port, *args, queue), nprocs=nprocs, join=True, start_method="spawn")
+    return queue.get()
