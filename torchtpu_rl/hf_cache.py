@@ -86,7 +86,8 @@ class _SlotLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:
-        pass  # preallocated: allocating inside a compiled step would make the buffers program outputs
+        """Nothing to allocate: the buffers are preallocated (allocated inside a compiled step they
+        would become program outputs)."""
 
     def update(self, key_states, value_states, *args, **kwargs):
         if key_states.shape[1] != self.keys.shape[1] or key_states.shape[3] != self.keys.shape[3]:
