@@ -557,7 +557,7 @@ def _scalar_array(v):
                 _scalar_seen.clear()
             _scalar_seen[key] = None
             return v
-        a = jnp.asarray(v)
+        a = jax.device_put(v)  # weakly typed like jnp.asarray(v), without compiling a staging program
         if len(_scalar_cache) >= 8192:
             _scalar_cache.clear()
         _scalar_cache[key] = a
