@@ -40,7 +40,6 @@ THREADS = common.early_threads()
 common.pin_threads(THREADS)
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import torchtpu  # noqa: E402
@@ -48,16 +47,6 @@ from torchtpu.bucketing import BucketPolicy  # noqa: E402
 from torchtpu_rl import RolloutEngine, SamplingParams  # noqa: E402
 
 torch.set_num_threads(THREADS)
-
-
-def make_model(args):
-    cfg = transformers.Qwen2Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def main():
@@ -82,7 +71,7 @@ def main():
         args.hidden, args.layers, args.heads, args.kv_heads, args.vocab = 64, 2, 4, 2, 256
         args.batch, args.new_tokens, args.repeats = 4, [16, 64], 2
 
-    model = make_model(args)
+    model = common.tiny_qwen2(args)
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(args.prompt_min, args.prompt_max + 1, (args.batch,), generator=g).tolist()
     prompts = [torch.randint(3, args.vocab, (n,), generator=g).tolist() for n in lens]
@@ -99,9 +88,9 @@ def main():
     # the smallest: prefill, decode steps and a stop check (every sync_every = 4 steps)
     warm = {n: (lengths[i - 1] + 1 if i else min(n, 6)) for i, n in enumerate(lengths)}
     buckets = dict(prompt_buckets=BucketPolicy.pow2(16, 256), response_buckets=BucketPolicy.explicit(lengths))
-    engines = {"tpu_kv": RolloutEngine(make_model(args), 0, device="tpu", compile=True, **buckets)}
+    engines = {"tpu_kv": RolloutEngine(common.tiny_qwen2(args), 0, device="tpu", compile=True, **buckets)}
     if not args.no_full:
-        engines["tpu_full"] = RolloutEngine(make_model(args), 0, device="tpu", compile=True, use_kv_cache=False,
+        engines["tpu_full"] = RolloutEngine(common.tiny_qwen2(args), 0, device="tpu", compile=True, use_kv_cache=False,
                                             **buckets)
     assert engines["tpu_kv"].use_kv_cache
 

@@ -34,7 +34,6 @@ THREADS = common.early_threads()
 common.pin_threads(THREADS)
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import torchtpu  # noqa: E402
@@ -42,16 +41,6 @@ from torchtpu.bucketing import BucketPolicy  # noqa: E402
 from torchtpu_rl import Learner, RolloutBatch, sequence_logprobs  # noqa: E402
 
 torch.set_num_threads(THREADS)
-
-
-def make_model(args):
-    cfg = transformers.Qwen2Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def make_batch(args, model):
@@ -101,7 +90,7 @@ def main():
     if args.micro_batch_tokens <= 0:
         args.micro_batch_tokens = None
 
-    base = make_model(args)
+    base = common.tiny_qwen2(args)
     batch, rewards = make_batch(args, base)
     kw = dict(algo="grpo", group_size=args.group, lr=1e-5, kl_coef=args.kl_coef,
               micro_batch_tokens=args.micro_batch_tokens, micro_batch_size=args.micro_batch_size,

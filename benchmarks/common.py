@@ -139,3 +139,18 @@ def spawn_ranks(worker, nprocs: int, *args):
         port = s.getsockname()[1]
     mp.start_processes(worker, args=(port, *args, queue), nprocs=nprocs, join=True, start_method="spawn")
     return queue.get()
+
+
+def tiny_qwen2(args):
+    """The benchmarks' Hugging Face policy: a Qwen2 of ``args.vocab``/``hidden``/``layers``/``heads``/
+    ``kv_heads``, seeded, in eval mode (the same weights in every process)."""
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(cfg).eval()
