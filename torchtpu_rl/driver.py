@@ -150,6 +150,13 @@ def _sync_failure(e) -> bool:
     return isinstance(e, lost) or isinstance(cause, (ws.SyncAborted, *lost))
 
 
+def _learner_restarted(e) -> bool:
+    """Did a learner call fail because Ray had restarted the learner (its state is gone)?"""
+    from .workers import LearnerRestarted
+
+    return isinstance(getattr(e, "cause", None), LearnerRestarted)
+
+
 # ------------------------------------------------------------------ the driver
 class RLDriver:
     """Drive a run over a :class:`Topology` (see the module doc)."""
@@ -308,6 +315,10 @@ class RLDriver:
             return ray.get(getattr(self.topo.learner, method).remote(*args))
         except _actor_errors() as e:
             raise _LearnerDied(f"the learner died during {method}") from e
+        except ray.exceptions.RayTaskError as e:
+            if _learner_restarted(e):  # it died while idle and Ray restarted it before this call
+                raise _LearnerDied(f"the learner was restarted before {method}") from e
+            raise
 
     def _wait_sync(self, refs: list) -> tuple:
         """Wait for a sync's calls ``[(who, ref)]``. Returns ``(infos, failed)``: the results by
@@ -333,7 +344,9 @@ class RLDriver:
             except _actor_errors():
                 failed[who] = "died"
             except ray.exceptions.RayTaskError as e:
-                if not _sync_failure(e):
+                if who == "learner" and _learner_restarted(e):
+                    failed[who] = "died"
+                elif not _sync_failure(e):
                     raise
                 failed[who] = "aborted"
             if deadline is None:

@@ -76,6 +76,13 @@ class WorkerNotReady(RuntimeError):
     """A (re)started rollout worker got work before its first weights."""
 
 
+class LearnerRestarted(RuntimeError):
+    """A learner process Ray restarted got work before the driver loaded a checkpoint into it.
+
+    Ray sends calls made after the restart to the new process, which holds the initial weights:
+    training or publishing them would go on silently from the wrong state."""
+
+
 def _seed_all(seed: int) -> None:
     torch.manual_seed(int(seed) & 0x7FFFFFFFFFFFFFFF)  # seeds torch's CPU generator and torchtpu's key
 
@@ -236,6 +243,14 @@ class LearnerWorker:
         self.sender = ws.WeightSender(bucket_bytes, sync_dtype=sync_dtype)
         self.device = device
         self.started_at = time.time()
+        import ray
+
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed  # until load_checkpoint
+
+    def _check_restored(self, what: str) -> None:
+        if self.restarted:
+            raise LearnerRestarted(f"learner process {os.getpid()} was restarted by Ray and has no checkpoint "
+                                   f"loaded yet: refusing {what}")
 
     @property
     def policy_version(self) -> int:
@@ -251,6 +266,7 @@ class LearnerWorker:
     def train_step(self, batch_state: dict, rewards: Sequence[float]) -> dict:
         from .rollout import RolloutBatch
 
+        self._check_restored("train_step")
         batch = RolloutBatch.from_state(batch_state)
         t0 = time.perf_counter()
         metrics = dict(self.learner.train_step(batch, torch.as_tensor(list(rewards), dtype=torch.float32)))
@@ -268,6 +284,7 @@ class LearnerWorker:
 
     def publish_weights(self) -> ws.WeightUpdate:
         """Object-store sync: put the weights (one object per bucket), return the small update."""
+        self._check_restored("publish_weights")
         return self.sender.publish(self._weights(), self.policy_version)
 
     def collective_setup(self, init_method: str, world_size: int, backend: str) -> int:
@@ -282,6 +299,7 @@ class LearnerWorker:
             self.sender.group = None
 
     def broadcast_weights(self) -> dict:
+        self._check_restored("broadcast_weights")
         return self.sender.broadcast(self._weights(), self.policy_version)
 
     def checksums(self) -> dict:
@@ -304,10 +322,13 @@ class LearnerWorker:
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str, driver_state: Optional[dict] = None) -> str:
+        self._check_restored("save_checkpoint")
         return _ckpt.save_checkpoint(path, self.learner, driver_state)
 
     def load_checkpoint(self, path: str) -> Optional[dict]:
-        return _ckpt.load_checkpoint(path, self.learner)
+        state = _ckpt.load_checkpoint(path, self.learner)
+        self.restarted = False
+        return state
 
 
 class RewardModelActor:

@@ -209,3 +209,28 @@ def test_learner_killed_in_an_async_object_store_run(topo, tmp_path):
         assert all(0 <= r["policy_version"] - 1 - v <= 1 for v in r["versions"]), (s, r["versions"])
     learner_sums = ray.get(topo.learner.checksums.remote())
     assert all(s == learner_sums for s in ray.get([w.checksums.remote() for w in topo.workers]))
+
+
+def test_learner_restarted_while_idle_is_restored_not_trained_from_scratch(topo, tmp_path):
+    """The learner dies between two steps and Ray restarts it before the driver's next call, which
+    then reaches the new process at its initial weights (Ray sends calls made after a restart to the
+    new process): the driver must notice and restore the checkpoint, not train the fresh process."""
+    import ray
+
+    from torchtpu_rl.workers import wait_for_actor
+
+    d = _driver(topo, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    d.run(1, progress=False)
+    v = ray.get(topo.learner.version.remote())
+    old_pid = ray.get(topo.learner.status.remote())["pid"]
+    ray.kill(topo.learner, no_restart=False)
+    deadline = time.monotonic() + 120
+    while (fresh := wait_for_actor(topo.learner))["pid"] == old_pid and time.monotonic() < deadline:
+        time.sleep(0.2)  # (the kill lands asynchronously: the old process may still answer once)
+    assert fresh["pid"] != old_pid and fresh["version"] != v, fresh  # restarted, idle, never called
+    hist = d.run(1, progress=False)
+    kinds = [e["event"] for e in d.events]
+    assert "learner_died" in kinds and "learner_restored" in kinds, d.events
+    assert hist[-1]["policy_version"] == v + 1 == ray.get(topo.learner.version.remote())
+    learner_sums = ray.get(topo.learner.checksums.remote())
+    assert all(s == learner_sums for s in ray.get([w.checksums.remote() for w in topo.workers]))
