@@ -9,7 +9,8 @@ below), and training continues from it to the weights of an uninterrupted run.
 
 At world size 4 the model is parallelized TorchTitan's way, on a 2-D mesh: init_device_mesh("tpu",
 (2, 2), ("dp", "tp")), parallelize_module with ColwiseParallel/RowwiseParallel on every block's attention
-(wq/wk/wv, proj) and MLP (fc, out) over "tp", fully_shard over "dp". DCP reshards the 2-rank FSDP2
+(wq/wk/wv, proj) and MLP (fc, out), SequenceParallel norms and PrepareModuleInput(Output) between them
+over "tp" (torchtpu_models.block_tp_plan), fully_shard over "dp". DCP reshards the 2-rank FSDP2
 checkpoint onto that layout, and two more steps of dp x tp training match single-process training on
 the same global batches.
 """
@@ -159,17 +160,17 @@ def _worker4(rank, port, tmpdir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     import torchtpu  # noqa: F401
+    from torchtpu_models import block_tp_plan
 
     dist.init_process_group("tpu", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD4,
                             timeout=datetime.timedelta(seconds=300))
     check = named_checks(rank, tmpdir)
     mesh = init_device_mesh("tpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = _model(seed=1).to("tpu")
-    plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(), "mlp.fc": ColwiseParallel(), "mlp.out": RowwiseParallel()}
+    plan = block_tp_plan(sequence_parallel=True)
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], plan)
         fully_shard(block, mesh=mesh["dp"])
@@ -181,6 +182,8 @@ def _worker4(rank, port, tmpdir):
         d = _config()["d_model"]
         assert isinstance(wq, DTensor) and wq.device_mesh.ndim == 2, wq
         assert wq.to_local().device.type == "tpu" and tuple(wq.to_local().shape) == (d // 4, d), wq.to_local().shape
+        ln = model.blocks[0].ln1.weight  # sequence parallel: replicated over tp, sharded over dp
+        assert isinstance(ln, DTensor) and ln.device_mesh.ndim == 2 and ln.to_local().shape == (d // 2,), ln
         model_sd, optim_sd = get_state_dict(model, opt)  # (initializes the optimizer's state to load into)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=os.path.join(tmpdir, "ckpt"))
