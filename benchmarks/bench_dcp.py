@@ -68,7 +68,7 @@ def _worker(rank, port, cfg, workdir, out_q):
 
     states = {"tpu": sharded("tpu"), "cpu": sharded("cpu")}
     torchtpu.synchronize()
-    model, opt = states["tpu"]
+    model = states["tpu"][0]
     # weights + optimizer state (the step counters are scalars: not counted)
     total = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
 

@@ -3,8 +3,9 @@
 One 2-process job (torch.multiprocessing spawn, a "tpu" default group on XLA collectives) trains the
 test transformer (torchtpu_models.TinyTransformer, tiny) with FSDP2 (fully_shard per block and at the
 root; f32, and bf16 params with f32 gradient reduction), each against single-process training on the
-global batch on CPU, then saves the FSDP2 model and optimizer state with torch.distributed.checkpoint.
-That checkpoint is loaded at world size 1 (this process, unsharded) and at world size 4 (a 4-process job,
+global batch on CPU, then saves the FSDP2 model and optimizer state with torch.distributed.checkpoint,
+and last trains with tensor parallelism alone (torchtpu_models.block_tp_plan over both ranks). The
+checkpoint is loaded at world size 1 (this process, unsharded) and at world size 4 (a 4-process job,
 below), and training continues from it to the weights of an uninterrupted run.
 
 At world size 4 the model is parallelized TorchTitan's way, on a 2-D mesh: init_device_mesh("tpu",
@@ -56,12 +57,12 @@ def _loss(model, tokens):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-def _optimizer(params):
+def _optimizer(params, **kw):
     # SGD with momentum: its state (momentum buffers) is what DCP must carry; Adam's normalized update
     # would turn rounding-level gradient differences near zero into lr-sized weight differences
     import torch
 
-    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9, **kw)
 
 
 def _reference(world, with_momentum=False, steps=STEPS):
@@ -144,6 +145,26 @@ def _worker(rank, port, tmpdir):
         model_sd, optim_sd = get_state_dict(holder["model"], holder["opt"])
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmpdir, "ckpt"))
     check("dcp_save_world2", dcp_save)
+
+    def tp_1d():
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from torchtpu_models import block_tp_plan
+
+        mesh = init_device_mesh("tpu", (WORLD,))
+        model = _model().to("tpu")
+        for block in model.blocks:
+            parallelize_module(block, mesh, block_tp_plan(sequence_parallel=False))
+        # the parameters outside the plan stay plain tensors: torch's foreach kernels refuse such a mix of
+        # DTensors and tensors (on every device), so the per-parameter update
+        opt = _optimizer(model.parameters(), foreach=False)
+        for tokens in _batches(WORLD):  # tensor parallel only: every rank reads the whole global batch
+            opt.zero_grad()
+            _loss(model, tokens.to("tpu")).backward()
+            opt.step()
+        _assert_matches(model, ref, rtol=1e-4, atol=1e-5)
+    check("tp_1d", tp_1d)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -217,7 +238,7 @@ def job4(job):
     return run_spawned(_worker4, WORLD4, job[0])
 
 
-@pytest.mark.parametrize("name", ["fsdp2_f32", "fsdp2_bf16_params_f32_reduce", "dcp_save_world2"])
+@pytest.mark.parametrize("name", ["fsdp2_f32", "fsdp2_bf16_params_f32_reduce", "dcp_save_world2", "tp_1d"])
 def test_two_processes(job, name):
     assert_check(job[1], name, WORLD)
 
