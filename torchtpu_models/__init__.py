@@ -8,8 +8,9 @@ error messages that point at "the user's line" treat these files as user code.
 """
 
 from .dlrm import DLRMConfig, DLRMStyleMLP
+from .parallel import block_tp_plan
 from .training import TRAINING_STEP_MODES, training_step
 from .transformer import KVCache, TinyTransformer, TransformerConfig
 
 __all__ = ["DLRMConfig", "DLRMStyleMLP", "KVCache", "TRAINING_STEP_MODES", "TinyTransformer", "TransformerConfig",
-           "training_step"]
+           "block_tp_plan", "training_step"]

@@ -31,6 +31,9 @@ class TransformerConfig:
     positions: str = "rope"  # "rope" | "learned"
     tie_embeddings: bool = True
     rope_base: float = 10000.0
+    # one qkv Linear, or three (wq, wk, wv) as TorchTitan writes them: tensor parallelism shards each
+    # column-wise so that every rank holds whole heads, which one fused weight's row split would not
+    fused_qkv: bool = True
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -104,18 +107,27 @@ class KVCache:
 class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.n_heads = cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        if cfg.fused_qkv:
+            self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        else:
+            self.wq = nn.Linear(cfg.d_model, cfg.d_model)
+            self.wk = nn.Linear(cfg.d_model, cfg.d_model)
+            self.wv = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
     def forward(self, x, cos=None, sin=None, attn_mask=None, cache=None, cache_position=None):
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).split(C, dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        # heads counted from the width (-1), not n_heads: under tensor parallelism a rank holds a
+        # column shard of wq/wk/wv, hence only its own heads
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
         if cos is not None:
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
@@ -131,7 +143,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
-        y = y.transpose(1, 2).reshape(B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)
         return self.proj(y)
 
 
