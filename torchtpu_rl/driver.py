@@ -183,6 +183,15 @@ class RLDriver:
             raise ValueError(f"RLDriver: checkpoint_every must be a positive int or None, not {checkpoint_every!r}")
         if not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
             raise ValueError(f"RLDriver: keep_checkpoints must be a positive int, not {keep_checkpoints!r}")
+        from .sharded_learner import LearnerGroup
+
+        self.sharded = isinstance(topology.learner, LearnerGroup)
+        if self.sharded and transport != "object_store":
+            raise ValueError(f"RLDriver: a sharded learner ({topology.learner.world_size} processes) syncs weights "
+                             f"through the object store, not transport={transport!r}")
+        if self.sharded and prompts_per_step % topology.learner.world_size:
+            raise ValueError(f"RLDriver: prompts_per_step={prompts_per_step} must be a multiple of the sharded "
+                             f"learner's {topology.learner.world_size} processes (each takes whole groups)")
         self.topo = topology
         self.dataset = dataset
         self.reward_fn = reward_fn
@@ -474,6 +483,9 @@ class RLDriver:
         t0 = time.perf_counter()
         died_at = self.step_idx
         self.events.append({"event": "learner_died", "step": died_at, "error": str(error)})
+        if self.sharded:
+            raise RuntimeError(f"RLDriver: a process of the sharded learner died at step {died_at}; restarting a "
+                               f"sharded learner is not supported (restart the run with resume)") from error
         if self.last_checkpoint is None:
             raise RuntimeError(f"RLDriver: the learner died at step {died_at} and there is no checkpoint to restart "
                                f"it from (give checkpoint_dir, or set last_checkpoint)") from error
