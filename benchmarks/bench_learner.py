@@ -90,7 +90,7 @@ def sharded_rank(rank, port, args, nprocs, queue):
     share = len(batch) // nprocs
     rows = slice(rank * share, (rank + 1) * share)
     mine, my_rewards = batch.select(rows), rewards[rows]
-    learner = Learner(base, device="tpu", compile=True, fsdp=True, **learner_kwargs(args))
+    learner = Learner(base, device="tpu", compile=os.environ.get("H4_EAGER") != "1", fsdp=True, **learner_kwargs(args))
     t0 = time.perf_counter()
     metrics = [learner.train_step(mine, my_rewards)]
     first = time.perf_counter() - t0

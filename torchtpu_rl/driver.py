@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import time
 import uuid
 import warnings
@@ -53,6 +54,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from . import checkpoint as _ckpt
 from . import weight_sync as ws
 from .data import PromptDataset
 from .workers import (RolloutRequest, RolloutResult, Topology, WorkerNotReady, actor_died_errors, call_restartable,
@@ -473,6 +475,7 @@ class RLDriver:
             old = self._own_checkpoints.pop(0)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(old)
+            shutil.rmtree(old + _ckpt.SHARDS_SUFFIX, ignore_errors=True)  # a sharded learner's DCP shards
 
     def _recover_learner(self, error: BaseException) -> None:
         """The learner died: wait for Ray to restart it (or start a new one), load the last

@@ -525,6 +525,14 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
         kw = {k: v for k, v in largs[1].items() if k not in ("learner_kwargs", "lora")}
         env = {k: v for k, v in _actor_env().items() if k != "XLA_FLAGS"}  # TPUHostGroup sets the device count
         learner = start_learner_group(policy_fn, learner_kwargs or {}, kw, learner_processes, learner_slice, env)
+        if tpu:  # the learner holds its whole slice: the rollout workers need chips beside it
+            try:
+                require_tpu_chips(learner.host_group.spec.num_chips + num_rollout_workers,
+                                  f"make_topology (a sharded learner on a {learner.host_group.spec.pod_type} slice and "
+                                  f"{num_rollout_workers} rollout worker(s))", tpu)
+            except ValueError:
+                learner.shutdown()
+                raise
     else:
         learner = ray.remote(LearnerWorker).options(**lopts).remote(*largs[0], **largs[1])
     wopts = {**base, **(tpu_actor_options(capacity=tpu) if tpu else {}), "max_restarts": max_restarts,
