@@ -27,7 +27,7 @@ LEARNER = {"group_size": GROUP, "lr": 1e-3, "kl_coef": 0.05, "adam_eps": 1e-2, "
 def _policy_fn():
     from torchtpu_rl.policy import make_policy
 
-    return functools.partial(make_policy, rl_common.VOCAB, d_model=32, n_layers=2, n_heads=2, max_seq_len=16, seed=0)
+    return functools.partial(make_policy, rl_common.VOCAB, d_model=32, n_layers=1, n_heads=2, max_seq_len=16, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -105,30 +105,30 @@ def _driver(topo, **kw):
 def test_grpo_run_syncs_versions_and_checksums_and_resumes(topo, tmp_path):
     import ray
 
-    def synced(m):
+    def synced(version):
         learner_sums = ray.get(topo.learner.checksums.remote())
         worker_sums = ray.get(topo.workers[0].checksums.remote())
         assert worker_sums == learner_sums  # every tensor of the worker is the learner's (rank 0 gathered)
-        assert ray.get(topo.workers[0].status.remote())["version"] == m["policy_version"]
+        assert ray.get(topo.workers[0].status.remote())["version"] == version
         return learner_sums
 
     d = _driver(topo)
     start = ray.get(topo.learner.version.remote())
-    m1 = d.step()
-    sums1 = synced(m1)
     ckpt = str(tmp_path / "ckpt.pt")
     d.save_checkpoint(ckpt)  # sharded: DCP shards beside the file
     assert os.path.isdir(ckpt + ".shards")
-    m2 = d.step()
-    sums2 = synced(m2)
-    assert [m1["policy_version"], m2["policy_version"]] == [start + 1, start + 2]
-    assert sums2 != sums1 and m2["staleness"] == 0
+    d.sync_weights()
+    sums0 = synced(start)
+    m = d.step()
+    assert m["policy_version"] == start + 1 and m["staleness"] == 0
+    sums1 = synced(start + 1)  # the next version, published and verified
+    assert sums1 != sums0
 
     d2 = _driver(topo)
-    d2.load_checkpoint(ckpt)  # the learner back at version start + 1, the worker re-synced to it
-    assert ray.get(topo.learner.version.remote()) == start + 1
-    assert synced({"policy_version": start + 1}) == sums1
+    d2.load_checkpoint(ckpt)  # the learner back at the saved version, the worker re-synced to it
+    assert ray.get(topo.learner.version.remote()) == start
+    assert synced(start) == sums0
     again = d2.step()
-    assert again["policy_version"] == start + 2 and synced(again) == sums2
-    for k in ("reward_mean", "pg_loss", "kl", "response_tokens"):
-        assert again[k] == m2[k], k
+    assert again["policy_version"] == start + 1 and synced(start + 1) == sums1
+    for k in ("reward_mean", "pg_loss", "kl", "entropy", "response_tokens"):
+        assert again[k] == m[k], k
