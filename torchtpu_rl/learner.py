@@ -347,8 +347,8 @@ class Learner:
             raise ValueError(f"Learner(fsdp=True): mini_batch_size {mini_batch_size} (rows of the whole batch) must "
                              f"be a multiple of the {self.world_size} learner processes")
         # one compiled program per micro-batch shape for forward + loss (+ its backward); default on tpu
-        # (sharded: FSDP2's hooks run eagerly, so the default is eager there)
-        self.compile = (self.device.type == "tpu" and not self.fsdp) if compile is None else bool(compile)
+        # (sharded too: Dynamo runs FSDP2's gather/reduce hooks between the compiled pieces)
+        self.compile = (self.device.type == "tpu") if compile is None else bool(compile)
         self._compiled = None
         self._compiled_score = None
         self.policy_version = 0
