@@ -1,8 +1,8 @@
 """A sharded RL learner: 2 learner processes (FSDP2), started with ray_integration's TPUHostGroup on a
 simulated v4-16 slice (two Ray nodes of the session head), and one rollout worker.
 
-One topology serves the module: a learner step on a fixed batch against the single learner (this
-process, same policy, same batch), then a short GRPO run through the driver whose syncs keep versions
+One topology serves the module: a learner step on a fixed batch against the single learner (in this
+process on the CPU device, same policy, same batch), then a short GRPO run through the driver whose syncs keep versions
 and checksums, and a sharded (DCP) checkpoint resumed exactly.
 """
 
@@ -75,9 +75,11 @@ def test_one_step_matches_the_single_learner(topo):
     from torchtpu_rl.weight_sync import WeightReceiver
 
     batch, rewards = _fixed_batch()
-    single = Learner(_policy_fn()(), algo="grpo", device="tpu", **LEARNER)
+    got_ref = topo.learner.train_step.remote(batch.state(), rewards.tolist())
+    # the single learner on the CPU device (no XLA compiles here while the ranks compile theirs)
+    single = Learner(_policy_fn()(), algo="grpo", device="cpu", **LEARNER)
     want = single.train_step(batch, rewards)
-    got = ray.get(topo.learner.train_step.remote(batch.state(), rewards.tolist()))
+    got = ray.get(got_ref)
     for k in ("pg_loss", "kl", "entropy", "loss", "grad_norm", "reward_mean", "reward_std", "response_length_mean",
               "rollout_logprob_diff_max", "rollout_logprob_diff_mean", "is_ratio_mean"):
         assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
