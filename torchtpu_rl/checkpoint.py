@@ -97,6 +97,9 @@ def read_checkpoint(path: str) -> dict:
 def load_checkpoint(path: str, learner) -> Optional[dict]:
     """Restore ``learner`` and this process's RNG from ``path``; returns the driver state."""
     state = read_checkpoint(path)
+    if "shards" in state["learner"]:
+        raise ValueError(f"checkpoint {os.fspath(path)!r} was saved by a sharded learner "
+                         f"({state['learner']['world_size']} processes); load it with learner_processes > 1")
     learner.load_state_dict(state["learner"])
     if int(learner.policy_version) != state["policy_version"]:
         raise RuntimeError(f"checkpoint {path!r}: the learner reports policy_version {learner.policy_version} "
