@@ -23,7 +23,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["FORMAT", "load_checkpoint", "read_checkpoint", "save_checkpoint", "to_host"]
+__all__ = ["FORMAT", "load_checkpoint", "load_sharded_checkpoint", "read_checkpoint", "save_checkpoint",
+           "save_sharded_checkpoint", "to_host"]
 
 FORMAT = "torchtpu_rl.checkpoint/1"
 
@@ -96,9 +97,100 @@ def read_checkpoint(path: str) -> dict:
 def load_checkpoint(path: str, learner) -> Optional[dict]:
     """Restore ``learner`` and this process's RNG from ``path``; returns the driver state."""
     state = read_checkpoint(path)
+    if "shards" in state["learner"]:
+        raise ValueError(f"checkpoint {os.fspath(path)!r} was saved by a sharded learner "
+                         f"({state['learner']['world_size']} processes); load it with learner_processes > 1")
     learner.load_state_dict(state["learner"])
     if int(learner.policy_version) != state["policy_version"]:
         raise RuntimeError(f"checkpoint {path!r}: the learner reports policy_version {learner.policy_version} "
                            f"after loading, the checkpoint says {state['policy_version']}")
     _set_rng_state(state["rng"])
+    return state["driver"]
+
+
+# ------------------------------------------------------------ a sharded learner (FSDP2, N ranks)
+SHARDS_SUFFIX = ".shards"
+
+
+def _all_ranks(obj) -> list:
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def save_sharded_checkpoint(path: str, learner, driver_state: Optional[dict] = None) -> str:
+    """A sharded learner's checkpoint (every rank calls it): the policy's and optimizer's shards with
+    ``torch.distributed.checkpoint`` into ``<path>.shards/``, and at ``path`` (rank 0; the format of
+    :func:`save_checkpoint`) what is not sharded: the reference policy, the version, every rank's RNG
+    streams, the driver's state."""
+    import random
+
+    import numpy as np
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import torchtpu
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"save_checkpoint: path must be a str or PathLike, not {type(path).__name__}")
+    path = os.fspath(path)
+    torchtpu.synchronize()
+    model_sd, optim_sd = get_state_dict(learner.policy, learner.optimizer)
+    dcp.save({"policy": model_sd, "optimizer": optim_sd}, checkpoint_id=path + SHARDS_SUFFIX)
+    rng = _all_ranks({**_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()})
+    if dist.get_rank() == 0:
+        state = {
+            "format": FORMAT,
+            "learner": {"algo": learner.algo, "param_dtype": str(learner.param_dtype).replace("torch.", ""),
+                        "policy_version": int(learner.policy_version), "world_size": dist.get_world_size(),
+                        "shards": os.path.basename(path) + SHARDS_SUFFIX, "learner_rng": learner.generator.get_state(),
+                        "ref_policy": (to_host(learner.ref_policy.state_dict())
+                                       if learner.ref_policy is not None else None)},
+            "policy_version": int(learner.policy_version),
+            "rng": rng,
+            "driver": to_host(driver_state) if driver_state is not None else None,
+            "saved_at": time.time(),
+        }
+        tmp = f"{path}.tmp.{os.getpid()}"
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    dist.barrier()  # the file exists for every rank when this returns
+    return path
+
+
+def load_sharded_checkpoint(path: str, learner) -> Optional[dict]:
+    """Restore a sharded learner (every rank calls it) from :func:`save_sharded_checkpoint`'s files;
+    returns the driver state. The shards load at any number of learner processes (DCP reshards)."""
+    import random
+
+    import numpy as np
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    state = read_checkpoint(path)
+    meta = state["learner"]
+    if "shards" not in meta:
+        raise ValueError(f"checkpoint {os.fspath(path)!r} was saved by a single learner; a sharded learner "
+                         f"loads checkpoints of sharded learners")
+    if meta["algo"] != learner.algo or meta["param_dtype"] != str(learner.param_dtype).replace("torch.", ""):
+        raise ValueError(f"checkpoint {os.fspath(path)!r} is for {meta['algo']} / {meta['param_dtype']}, this learner "
+                         f"is {learner.algo} / {learner.param_dtype}")
+    model_sd, optim_sd = get_state_dict(learner.policy, learner.optimizer)
+    sd = {"policy": model_sd, "optimizer": optim_sd}
+    dcp.load(sd, checkpoint_id=os.path.join(os.path.dirname(os.fspath(path)), meta["shards"]))
+    set_state_dict(learner.policy, learner.optimizer, model_state_dict=sd["policy"], optim_state_dict=sd["optimizer"])
+    if learner.ref_policy is not None and meta["ref_policy"] is not None:
+        with torch.no_grad():
+            learner.ref_policy.load_state_dict(meta["ref_policy"])
+    rank = dist.get_rank()
+    rng = state["rng"][rank] if rank < len(state["rng"]) else state["rng"][0]
+    _set_rng_state(rng)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    learner.generator.set_state(meta["learner_rng"])
+    learner.policy_version = int(meta["policy_version"])
     return state["driver"]

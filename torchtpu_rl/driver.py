@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import time
 import uuid
 import warnings
@@ -53,6 +54,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from . import checkpoint as _ckpt
 from . import weight_sync as ws
 from .data import PromptDataset
 from .workers import (RolloutRequest, RolloutResult, Topology, WorkerNotReady, actor_died_errors, call_restartable,
@@ -190,6 +192,15 @@ class RLDriver:
             raise ValueError(f"RLDriver: checkpoint_every must be a positive int or None, not {checkpoint_every!r}")
         if not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
             raise ValueError(f"RLDriver: keep_checkpoints must be a positive int, not {keep_checkpoints!r}")
+        from .sharded_learner import LearnerGroup
+
+        self.sharded = isinstance(topology.learner, LearnerGroup)
+        if self.sharded and transport != "object_store":
+            raise ValueError(f"RLDriver: a sharded learner ({topology.learner.world_size} processes) syncs weights "
+                             f"through the object store, not transport={transport!r}")
+        if self.sharded and prompts_per_step % topology.learner.world_size:
+            raise ValueError(f"RLDriver: prompts_per_step={prompts_per_step} must be a multiple of the sharded "
+                             f"learner's {topology.learner.world_size} processes (each takes whole groups)")
         self.topo = topology
         self.dataset = dataset
         self.reward_fn = reward_fn
@@ -477,6 +488,7 @@ class RLDriver:
             old = self._own_checkpoints.pop(0)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(old)
+            shutil.rmtree(old + _ckpt.SHARDS_SUFFIX, ignore_errors=True)  # a sharded learner's DCP shards
 
     def _recover_learner(self, error: BaseException) -> None:
         """The learner died: wait for Ray to restart it (or start a new one), load the last
@@ -487,6 +499,9 @@ class RLDriver:
         t0 = time.perf_counter()
         died_at = self.step_idx
         self.events.append({"event": "learner_died", "step": died_at, "error": str(error)})
+        if self.sharded:
+            raise RuntimeError(f"RLDriver: a process of the sharded learner died at step {died_at}; restarting a "
+                               f"sharded learner is not supported (restart the run with resume)") from error
         if self.last_checkpoint is None:
             raise RuntimeError(f"RLDriver: the learner died at step {died_at} and there is no checkpoint to restart "
                                f"it from (give checkpoint_dir, or set last_checkpoint)") from error

@@ -95,6 +95,66 @@ def _enable_gradient_checkpointing(model: nn.Module, what: str) -> None:
     enable(**kw)
 
 
+# ------------------------------------------------------------ sharded learner (FSDP2)
+def _check_fsdp(algo: str, device: torch.device) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("Learner(fsdp=True): torch.distributed is not initialized; each learner process "
+                           "must join the process group first (torchtpu_rl starts them through TPUHostGroup)")
+    if algo != "grpo":
+        # PPO's critic, GAE and advantage whitening need statistics over every rank's rows: not built yet
+        raise ValueError(f"Learner(fsdp=True): a sharded learner runs GRPO only, not {algo!r}")
+    if device.type != "tpu":
+        raise ValueError(f"Learner(fsdp=True): a sharded learner runs on tpu, not {device}")
+
+
+def _blocks(model: nn.Module) -> list:
+    """The repeated blocks FSDP2 shards one by one: a Hugging Face model's ``_no_split_modules``
+    (its decoder layer class), else the members of every ``nn.ModuleList`` (TinyTransformer's blocks)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        found = [m for m in model.modules() if type(m).__name__ in names]
+        if found:
+            return found
+    return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+
+
+def shard_policy(model: nn.Module, param_dtype: torch.dtype) -> int:
+    """``fully_shard`` each block of ``model`` and its root over the default process group (bf16
+    ``param_dtype``: bf16 compute, f32 gradient reduction, f32 sharded parameters for the optimizer).
+    Gradients are summed across ranks, not averaged: every rank normalizes its loss by the whole
+    batch's token count, so the sum is the single learner's gradient. Returns the world size."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    kw = {}
+    if param_dtype != torch.float32:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in _blocks(model):
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # SUM, then a division by 1: no PREMUL_SUM needed
+    return dist.get_world_size()
+
+
+def _all_reduce_host(values, op: str = "sum") -> torch.Tensor:
+    """A float64 host vector reduced over the learner's ranks (gloo: a few numbers)."""
+    import torch.distributed as dist
+
+    t = torch.as_tensor(values, dtype=torch.float64).clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t
+
+
+def _full(t):
+    """A DTensor's full value (a sharded learner's grad norm); other tensors as they are."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 class _AdamW:
     """AdamW over a model's trainable parameters; for low-precision parameters, over float32
     master copies: the gradient is read into the master, clipped and applied there, and the
@@ -208,7 +268,7 @@ class Learner:
                  grpo_normalize_std: bool = True, temperature: Optional[float] = None, device="tpu",
                  length_buckets: Optional[BucketPolicy] = None, compile: Optional[bool] = None, seed: int = 0,
                  micro_batch_tokens: Optional[int] = None, gradient_checkpointing: bool = False,
-                 param_dtype="float32", tis_level: str = "token"):
+                 param_dtype="float32", tis_level: str = "token", fsdp: bool = False):
         if algo not in ("grpo", "ppo"):
             raise ValueError(f"Learner: algo must be 'grpo' or 'ppo', not {algo!r}")
         if loss_agg not in A.AGGREGATIONS:
@@ -228,7 +288,12 @@ class Learner:
         self.algo = algo
         self.group_size = group_size
         self.param_dtype = _param_dtype(param_dtype)
-        self.policy = policy.to(device=self.device, dtype=self.param_dtype).train()
+        self.fsdp = bool(fsdp)
+        self.world_size = 1  # learner processes sharing each batch (fsdp)
+        if self.fsdp:
+            _check_fsdp(algo, self.device)
+        # sharded (fsdp): float32 parameters; FSDP2's MixedPrecisionPolicy computes in param_dtype
+        self.policy = policy.to(device=self.device, dtype=torch.float32 if self.fsdp else self.param_dtype).train()
         self.kl_coef = float(kl_coef)
         self.kl_in_reward = (algo == "ppo") if kl_in_reward is None else bool(kl_in_reward)
         self.kl_kind = kl_kind or ("k1" if self.kl_in_reward else "k3")
@@ -239,6 +304,8 @@ class Learner:
         if self.ref_policy is not None:
             for p in self.ref_policy.parameters():
                 p.requires_grad_(False)
+        if self.fsdp:  # after the reference policy was copied from the whole model
+            self.world_size = shard_policy(self.policy, self.param_dtype)
         self.eps_low, self.eps_high = float(eps_low), float(eps_low if eps_high is None else eps_high)
         self.loss_agg = loss_agg
         self.ppo_epochs = int(ppo_epochs)
@@ -276,7 +343,11 @@ class Learner:
             _enable_gradient_checkpointing(self.policy, "policy")
             if self.critic is not None:
                 _enable_gradient_checkpointing(self.critic, "critic")
+        if self.fsdp and mini_batch_size is not None and mini_batch_size % self.world_size:
+            raise ValueError(f"Learner(fsdp=True): mini_batch_size {mini_batch_size} (rows of the whole batch) must "
+                             f"be a multiple of the {self.world_size} learner processes")
         # one compiled program per micro-batch shape for forward + loss (+ its backward); default on tpu
+        # (sharded too: Dynamo runs FSDP2's gather/reduce hooks between the compiled pieces)
         self.compile = (self.device.type == "tpu") if compile is None else bool(compile)
         self._compiled = None
         self._compiled_score = None
@@ -332,13 +403,21 @@ class Learner:
             out.append((chunk, L, min(1 << (len(chunk) - 1).bit_length(), most)))
         return out
 
+    def _even(self, plan: list) -> list:
+        """Sharded: every rank runs as many micro-batches as the rank with the most (FSDP2 gathers and
+        reduces in every forward and backward), the extra ones empty (no rows: they weigh nothing)."""
+        if not self.fsdp:
+            return plan
+        most = int(_all_reduce_host([len(plan)], "max")[0])
+        return plan + [([], plan[-1][1], plan[-1][2])] * (most - len(plan))
+
     def _micro_inputs(self, chunk, L, R, tensors):
         """Rows ``chunk`` of each (rows, Lb) device tensor, cut to ``L`` columns, padded to ``R`` rows
         with copies of the first row (their tokens weigh nothing: ``keep`` is 0 there)."""
         keep = torch.ones(R)
         if len(chunk) < R:
             keep[len(chunk):] = 0.0
-            chunk = chunk + [chunk[0]] * (R - len(chunk))
+            chunk = chunk + [chunk[0] if chunk else 0] * (R - len(chunk))
         idx = torch.tensor(chunk, dtype=torch.int64).to(self.device)
         out = []
         for t in tensors:
@@ -369,7 +448,8 @@ class Learner:
             raise ValueError(f"Learner.train_step: GRPO batch of {B} rows is not whole groups of {self.group_size}")
         temp = self.temperature if self.temperature is not None else batch.temperature
         temp = temp if temp and temp > 0 else 1.0
-        mini = self.mini_batch_size or B
+        # a sharded learner holds its slice of the batch: mini_batch_size counts rows of the whole batch
+        mini = self.mini_batch_size // self.world_size if self.mini_batch_size else B
         ids, am, rmask, blogp, lengths = self._layout(batch)
         Lb = ids.shape[1]
         dev = self.device
@@ -378,7 +458,7 @@ class Learner:
         with bucketing.bucket_scope(length=Lb, micro=self.micro_batch_tokens or min(self.micro_batch_size or mini,
                                                                                       mini)):
             # ---- 2. no-grad passes over micro-batches, put back in row order
-            plan = self._plan(list(range(B)), lengths, Lb, mini)
+            plan = self._even(self._plan(list(range(B)), lengths, Lb, mini))
             old, ref, vals = [], [], []
             score = self._score_fn()
             with torch.no_grad():
@@ -445,14 +525,19 @@ class Learner:
             vals_h = torch.cat([torch.stack([torch.stack([s[k].detach().float().reshape(()) for k in keys])
                                              for s in stats]).flatten(), agreement.float()]).cpu()
         self.policy_version += 1
-        dt = time.perf_counter() - t0
         ntok = int(rmask.sum())
         real_tok = int(am.sum())
+        versions, resp_len = batch.policy_version, batch.response_lengths
+        if self.fsdp:  # the metrics of the whole batch, as one learner reports them
+            vals_h = self._metrics_across_ranks(vals_h, keys, len(stats), ntok)
+            r, versions, resp_len = (self._gather_rows(t) for t in (r, versions, resp_len))
+            ntok, real_tok = (int(x) for x in _all_reduce_host([ntok, real_tok]))
+            B = r.shape[0]
+        dt = time.perf_counter() - t0
         m = {k: float(vals_h[:-5].reshape(len(stats), len(keys))[:, j].mean()) for j, k in enumerate(keys)}
-        versions = batch.policy_version
         m.update({
             "reward_mean": float(r.mean()), "reward_std": float(r.std()) if B > 1 else 0.0,
-            "response_length_mean": float(batch.response_lengths.float().mean()),
+            "response_length_mean": float(resp_len.float().mean()),
             "response_tokens": ntok, "optimizer_steps": n_opt, "step_seconds": dt,
             "tokens_per_s": ntok * self.ppo_epochs / dt if dt > 0 else float("nan"),
             "learner_tokens_per_s": real_tok * self.ppo_epochs / dt if dt > 0 else float("nan"),
@@ -464,6 +549,35 @@ class Learner:
         self.last_metrics = m
         return m
 
+    def _metrics_across_ranks(self, vals_h, keys, n_stats, ntok):
+        """Combine the ranks' metric vectors: the loss pieces are fractions of the whole mini-batch
+        (they add up); clipfrac, ratio_mean and the grad norm (every rank computes the same) are
+        averaged over ranks; the rollout-agreement means are weighted by the ranks' response tokens;
+        the largest log-prob difference is the max."""
+        W = self.world_size
+        mean_keys = torch.tensor([k in ("clipfrac", "ratio_mean", "grad_norm") for k in keys] * n_stats)
+        v = vals_h.double().clone()
+        v[-4:] *= ntok
+        total = _all_reduce_host(torch.cat([v, torch.tensor([float(ntok)], dtype=torch.float64)]))
+        total, tokens = total[:-1], total[-1]
+        total[:-5] = torch.where(mean_keys, total[:-5] / W, total[:-5])
+        total[-4:] /= max(float(tokens), 1.0)
+        total[-5] = _all_reduce_host(vals_h[-5:-4], "max")[0]
+        return total.float()
+
+    def _gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows of a host tensor (the same row count on each), in rank order."""
+        import torch.distributed as dist
+
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t.contiguous())
+        return torch.cat(out)
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The host generator that shuffles mini-batches (part of a checkpoint)."""
+        return self._gen
+
     def _values(self, ids, am, rmask):
         # the value of token j's state is read at position j - 1 (as the logits that predict it)
         return torch.roll(self.critic(ids, am), 1, 1) * rmask
@@ -472,10 +586,13 @@ class Learner:
                 old_values, returns_d, temp):
         """One optimizer step over ``rows`` (host indices), in the micro-batches of :meth:`_plan`."""
         n = rows.shape[0]
-        plan = self._plan(rows.tolist(), lengths, Lb, mini)
+        plan = self._even(self._plan(rows.tolist(), lengths, Lb, mini))
         # normalizers of the whole mini-batch, as device scalars (a python float would be baked into a
-        # compiled program and recompile it every step)
-        gtok = torch.tensor(max(float(rmask_h[rows].sum()), 1.0)).to(self.device)
+        # compiled program and recompile it every step); sharded: of every rank's rows together
+        ntok = float(rmask_h[rows].sum())
+        if self.fsdp:
+            ntok, n = (float(x) for x in _all_reduce_host([ntok, n]))
+        gtok = torch.tensor(max(ntok, 1.0)).to(self.device)
         token_mean = self.loss_agg == "token-mean"
         scales = {}
         self._adam.zero_grad()
@@ -483,6 +600,7 @@ class Learner:
             self._critic_adam.zero_grad()
         acc = {}
         pfn, vfn = self._micro_fns()
+        real = sum(1 for chunk, _, _ in plan if chunk)
         for chunk, L, R in plan:
             if R not in scales:  # sequence means: each micro-batch's mean over R rows x R / n
                 scales[R] = torch.tensor(1.0 if token_mean else R / float(n)).to(self.device)
@@ -497,14 +615,16 @@ class Learner:
                 vl = vfn(self.critic, ids, am, rm, ov, ret, gtok, scales[R], self.value_clip, self.loss_agg)
                 vl.backward()
                 parts["value_loss"] = vl.detach()
+            if not chunk:  # an empty micro-batch of a sharded learner: its collectives ran, nothing to count
+                continue
             for k, v in parts.items():
                 # token-mean pieces are already fractions of the mini-batch: they add up
                 acc[k] = acc[k] + v if k in acc else v
         for k in ("clipfrac", "ratio_mean"):
-            acc[k] = acc[k] / len(plan)
+            acc[k] = acc[k] / real
         norm = self._adam.step(self.grad_clip)
         if norm is not None:
-            acc["grad_norm"] = norm
+            acc["grad_norm"] = _full(norm)
         if self._critic_adam is not None:
             self._critic_adam.step(self.grad_clip)
         return acc
@@ -526,8 +646,14 @@ class Learner:
 
     # ------------------------------------------------------------ weights and checkpoints
     def policy_state_dict(self) -> dict:
-        """The policy's weights on the host (what rollout workers load)."""
-        return _to_cpu(self.policy.state_dict())
+        """The policy's weights on the host (what rollout workers load). Sharded: the whole weights,
+        gathered (every rank must call it), on rank 0 only (others get ``{}``), in ``param_dtype``."""
+        if not self.fsdp:
+            return _to_cpu(self.policy.state_dict())
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k: v.to(self.param_dtype) if v.is_floating_point() else v for k, v in full.items()}
 
     def state_dict(self) -> dict:
         """Everything to continue exactly: model(s), optimizer(s), RNG states, policy version.

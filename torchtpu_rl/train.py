@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="module names the adapters go on (repeatable or comma-separated; default all-linear)")
     g = p.add_argument_group("topology")
     g.add_argument("--rollout-workers", type=int, default=1)
+    g.add_argument("--learner-processes", type=int, default=1,
+                   help="N > 1: the learner is N processes (one per host of a TPU slice of N hosts, TPUHostGroup) "
+                        "training one FSDP2-sharded GRPO policy; weights sync through the object store")
     g.add_argument("--mode", choices=("sync", "async"), default="sync")
     g.add_argument("--max-staleness", type=int, default=1, help="async: trajectories at most this many versions old")
     g.add_argument("--transport", choices=("object_store", "collective"), default="object_store")
@@ -213,7 +216,7 @@ def _check_args(args) -> None:
     if not args.reward and not args.reward_model:
         raise TrainError("give at least one --reward (or a --reward-model)")
     for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "rollout_workers", "max_prompt_tokens",
-                 "ppo_epochs"):
+                 "ppo_epochs", "learner_processes"):
         v = getattr(args, name)
         if v is None or v < (0 if name == "steps" else 1):
             raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, not {v!r}")
@@ -231,6 +234,15 @@ def _check_args(args) -> None:
                          "weight per reward, in order")
     if args.temperature <= 0:
         raise TrainError("--temperature must be > 0 for training rollouts (evaluation is greedy)")
+    if args.learner_processes > 1:
+        n = args.learner_processes
+        if args.algo != "grpo" or args.lora_rank or args.transport != "object_store":
+            raise TrainError(f"--learner-processes {n} (a sharded learner) trains GRPO with full fine-tuning and "
+                             f"syncs through the object store: not --algo {args.algo}, --lora-rank {args.lora_rank}, "
+                             f"--transport {args.transport}")
+        if args.prompts_per_step % n:
+            raise TrainError(f"--prompts-per-step {args.prompts_per_step} must be a multiple of --learner-processes "
+                             f"{n} (each learner process trains on whole prompt groups)")
 
 
 def _checkpoint_dir(path: str) -> str:
@@ -551,7 +563,7 @@ def main(argv=None) -> dict:
         ray_address = ray.get_runtime_context().gcs_address
         topo = make_topology(policy_fn, tokenizer.pad_token_id, num_rollout_workers=args.rollout_workers,
                              algo=args.algo, learner_kwargs=s["learner_kwargs"], engine_kwargs=s["engine_kwargs"],
-                             seed=args.seed, lora=s["lora"],
+                             seed=args.seed, lora=s["lora"], learner_processes=args.learner_processes,
                              sync_dtype=None if args.sync_dtype == "float32" else args.sync_dtype,
                              reward_model_dir=os.path.abspath(args.reward_model) if args.reward_model else None)
         outputs = None

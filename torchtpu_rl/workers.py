@@ -464,8 +464,12 @@ class Topology:
     def shutdown(self) -> None:
         import ray
 
+        from .sharded_learner import LearnerGroup
+
+        if isinstance(self.learner, LearnerGroup):
+            self.learner.shutdown()
         for a in [self.learner, *self.workers, self.reward_actor]:
-            if a is not None:
+            if a is not None and not isinstance(a, LearnerGroup):
                 try:
                     ray.kill(a, no_restart=True)
                 except Exception:
@@ -487,7 +491,7 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
                   reward_model_dir: Optional[str] = None, reward_in_actor: bool = False, max_restarts: int = 3,
                   worker_concurrency: int = 4, actor_options: Optional[dict] = None,
                   sync_dtype: Optional[torch.dtype] = None, rollout_quantization: Optional[str] = None,
-                  lora=None) -> Topology:
+                  lora=None, learner_processes: int = 1, learner_slice=None) -> Topology:
     """Start the learner, ``num_rollout_workers`` rollout workers and (optionally) a reward actor
     on the connected Ray cluster. ``actor_options`` go to every ``.options()`` (e.g. a
     ``scheduling_strategy`` from a ray_integration slice reservation). ``reward_model_dir``: a
@@ -498,7 +502,11 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
     (:class:`~torchtpu_rl.lora.LoraSpec`): the learner trains LoRA adapters of the policy and syncs
     only them; the rollout workers merge them into their weights. Every actor is restarted by Ray up
     to ``max_restarts`` times when it dies. ``sync_dtype=torch.bfloat16``: float32 weights travel to the
-    workers as bfloat16 (weight_sync)."""
+    workers as bfloat16 (weight_sync). ``learner_processes=N`` (> 1): the learner is N processes, one
+    per host of a TPU slice of N hosts (``learner_slice``: its accelerator type or reservation; default:
+    the cluster's first such slice), started with ray_integration's ``TPUHostGroup``, training one
+    FSDP2-sharded GRPO policy (:mod:`torchtpu_rl.sharded_learner`); ``topology.learner`` is then a
+    :class:`~torchtpu_rl.sharded_learner.LearnerGroup`, driven like one learner actor (no restarts)."""
     import ray
 
     if not ray.is_initialized():
@@ -507,6 +515,11 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
 
     if not isinstance(num_rollout_workers, int) or num_rollout_workers < 1:
         raise ValueError(f"num_rollout_workers must be a positive int, got {num_rollout_workers!r}")
+    if not isinstance(learner_processes, int) or learner_processes < 1:
+        raise ValueError(f"make_topology: learner_processes must be a positive int, got {learner_processes!r}")
+    if learner_processes > 1 and (algo != "grpo" or lora is not None):
+        raise ValueError(f"make_topology: a sharded learner (learner_processes={learner_processes}) trains GRPO "
+                         f"without LoRA; got algo={algo!r}, lora={lora!r}")
     if rollout_quantization is not None:
         from .rollout import ROLLOUT_QUANTIZATION
 
@@ -520,14 +533,29 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
     base = {"num_cpus": 0, "runtime_env": {"env_vars": _actor_env()}, **(actor_options or {})}
     # on a TPU cluster the learner and each rollout worker get a chip (the learner on a slice's worker 0)
     tpu = "resources" not in base and tpu_capacity()
-    if tpu:
+    if tpu and learner_processes == 1:  # (a sharded learner holds its whole slice: TPUHostGroup reserves it)
         require_tpu_chips(1 + num_rollout_workers, "make_topology (a learner and "
                           f"{num_rollout_workers} rollout worker(s))", tpu)
     lopts = {**base, **(tpu_actor_options(slice_head=True, capacity=tpu) if tpu else {}), "max_restarts": max_restarts}
     largs = ((policy_fn,), {"algo": algo, "learner_kwargs": learner_kwargs, "seed": seed,
                             "bucket_bytes": bucket_bytes, "sync_dtype": sync_dtype,
                             "lora": lora})
-    learner = ray.remote(LearnerWorker).options(**lopts).remote(*largs[0], **largs[1])
+    if learner_processes > 1:
+        from .sharded_learner import start_learner_group
+
+        kw = {k: v for k, v in largs[1].items() if k not in ("learner_kwargs", "lora")}
+        env = {k: v for k, v in _actor_env().items() if k != "XLA_FLAGS"}  # TPUHostGroup sets the device count
+        learner = start_learner_group(policy_fn, learner_kwargs or {}, kw, learner_processes, learner_slice, env)
+        if tpu:  # the learner holds its whole slice: the rollout workers need chips beside it
+            try:
+                require_tpu_chips(learner.host_group.spec.num_chips + num_rollout_workers,
+                                  f"make_topology (a sharded learner on a {learner.host_group.spec.pod_type} slice and "
+                                  f"{num_rollout_workers} rollout worker(s))", tpu)
+            except ValueError:
+                learner.shutdown()
+                raise
+    else:
+        learner = ray.remote(LearnerWorker).options(**lopts).remote(*largs[0], **largs[1])
     wopts = {**base, **(tpu_actor_options(capacity=tpu) if tpu else {}), "max_restarts": max_restarts,
              "max_concurrency": worker_concurrency}
     workers = [ray.remote(RolloutWorker).options(**wopts).remote(policy_fn, pad_id, i, engine_kwargs)

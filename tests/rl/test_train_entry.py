@@ -196,6 +196,10 @@ def test_bad_inputs_are_named_before_any_actor_starts(run_inputs, tmp_path):
         train.main(cfg + ["--reward", "accuracy", "--reward-weight", "1"])
     with pytest.raises(train.TrainError, match="1 --reward-weight for 2 --reward"):
         train.main(cfg + ["--reward-weight", "1"])  # replaces the file's two weights
+    with pytest.raises(train.TrainError, match="--learner-processes 2 .*sharded learner.*--algo ppo"):
+        train.main(cfg + ["--learner-processes", "2", "--algo", "ppo"])
+    with pytest.raises(train.TrainError, match="--prompts-per-step 2 must be a multiple of --learner-processes 3"):
+        train.main(cfg + ["--learner-processes", "3"])
     bad = tmp_path / "bad.toml"
     bad.write_text('model = "m"\nlearning_rate = 0.1\n')
     with pytest.raises(train.TrainError, match=r"bad.toml.*unknown option 'learning_rate'"):
