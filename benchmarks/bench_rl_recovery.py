@@ -72,7 +72,7 @@ def main():
 
     from torchtpu_rl.driver import ray_session
     from torchtpu_rl.policy import make_policy
-    from torchtpu_rl.workers import make_topology
+    from torchtpu_rl.topology import make_topology
 
     cloudpickle.register_pickle_by_value(rl_common)
     if args.xla_cache:

@@ -72,7 +72,7 @@ def main():
     from torchtpu_rl.driver import RLDriver, ray_session
     from torchtpu_rl.rewards import RewardSet, math_answer
     from torchtpu_rl.rollout import SamplingParams
-    from torchtpu_rl.workers import make_topology
+    from torchtpu_rl.topology import make_topology
 
     tmp = tempfile.mkdtemp(prefix="bench_rl_step_")
     rows, _ = rl_text_arith.make_splits(512, 0)

@@ -259,7 +259,7 @@ def bench_async(steps, warmup):
     from torchtpu_rl.driver import PromptDataset, RLDriver
     from torchtpu_rl.policy import make_policy
     from torchtpu_rl.rollout import SamplingParams
-    from torchtpu_rl.workers import make_topology
+    from torchtpu_rl.topology import make_topology
 
     pf = functools.partial(make_policy, rl_common.VOCAB, d_model=32, n_layers=1, n_heads=2, max_seq_len=16, seed=0)
     topo = make_topology(pf, rl_common.PAD, num_rollout_workers=1, algo="grpo",

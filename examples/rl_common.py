@@ -84,7 +84,7 @@ def run(algo: str, args, learner_extra: dict | None = None) -> dict:
     from torchtpu_rl.driver import PromptDataset, RLDriver, ray_session
     from torchtpu_rl.policy import make_policy
     from torchtpu_rl.rollout import SamplingParams
-    from torchtpu_rl.workers import make_topology
+    from torchtpu_rl.topology import make_topology
 
     t_start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)

@@ -49,7 +49,8 @@ from .weight_sync import (  # noqa: E402
     plan_buckets,
     tensor_checksums,
 )
-from .workers import LearnerWorker, RewardModelActor, RolloutWorker, Topology, make_topology  # noqa: E402
+from .topology import Topology, make_topology  # noqa: E402
+from .workers import LearnerWorker, RewardModelActor, RolloutWorker  # noqa: E402
 from . import data, hf, rewards  # noqa: E402  (text in, text out: Hugging Face checkpoints, prompts, rewards)
 from .data import load_prompts  # noqa: E402
 from .rewards import RewardSet  # noqa: E402

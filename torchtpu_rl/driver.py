@@ -1,7 +1,7 @@
 """The thin driver loop of an RL run: rollouts -> rewards -> learner step -> weight sync.
 
 :class:`RLDriver` runs on the Ray driver and talks to the actors of a
-:class:`~torchtpu_rl.workers.Topology`. One step:
+:class:`~torchtpu_rl.topology.Topology`. One step:
 
 1. the step's prompts (``prompts_per_step`` prompts x ``group_size`` samples) are
    cut into requests of whole groups, each with a seed derived from
@@ -57,7 +57,8 @@ import numpy as np
 from . import checkpoint as _ckpt
 from . import weight_sync as ws
 from .data import PromptDataset
-from .workers import (RolloutRequest, RolloutResult, Topology, WorkerNotReady, actor_died_errors, call_restartable,
+from .topology import Topology
+from .workers import (RolloutRequest, RolloutResult, WorkerNotReady, actor_died_errors, call_restartable,
                       wait_for_actor)
 
 __all__ = [

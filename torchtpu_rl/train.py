@@ -554,7 +554,8 @@ def main(argv=None) -> dict:
     from . import hf
     from .driver import RLDriver, ray_session
     from .rewards import RewardSet
-    from .workers import ActorReward, make_topology
+    from .topology import make_topology
+    from .workers import ActorReward
 
     os.makedirs(args.out, exist_ok=True)
     tokenizer = s["tokenizer"]

@@ -71,7 +71,7 @@ def test_one_process_per_chip_as_ray_sets_it(tpu_host):
 
 
 def test_rl_topology_asks_for_a_chip_per_process(tpu_host):
-    from torchtpu_rl.workers import make_topology
+    from torchtpu_rl.topology import make_topology
 
     # 1 learner + 4 rollout workers do not fit on 4 chips: refused before any actor starts (no hang)
     with pytest.raises(ValueError, match="needs 5 TPU chips .* has 4"):

@@ -47,7 +47,7 @@ def topo(ray_driver, xla_cache):
     from ray import cloudpickle
 
     from torchtpu_rl.policy import make_policy
-    from torchtpu_rl.workers import make_topology
+    from torchtpu_rl.topology import make_topology
 
     cloudpickle.register_pickle_by_value(rl_common)  # the reward actor gets digit_reward by value
     pf = functools.partial(make_policy, rl_common.VOCAB, d_model=32, n_layers=1, n_heads=2, max_seq_len=16, seed=0)

@@ -47,7 +47,7 @@ def _policy_fn():
 
 @pytest.fixture(scope="module")
 def topo(ray_driver, xla_cache):
-    from torchtpu_rl.workers import make_topology
+    from torchtpu_rl.topology import make_topology
 
     t = make_topology(_policy_fn(), rl_common.PAD, num_rollout_workers=2, algo="grpo",
                       learner_kwargs={"group_size": 4, "lr": 3e-3, "kl_coef": 0.01},

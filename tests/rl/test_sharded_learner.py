@@ -34,7 +34,7 @@ def _policy_fn():
 def topo(ray_driver):
     import ray_integration as ri
     from ray_integration import SliceSpec
-    from torchtpu_rl.workers import make_topology
+    from torchtpu_rl.topology import make_topology
 
     sl = ri.start_simulated_slice(ray_driver, SliceSpec.parse("v4-16"), name="sim-v4-16-rl")
     try:
