@@ -449,23 +449,26 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._gloo._allgather_base(table, row).wait()
         return table.view(self._size, -1).tolist()
 
-    def _agree_graph(self, descs):
+    def _agree_graph(self, descs, signature):
         """The descriptor exchange of a DeferAndFuse graph holding collectives ``descs`` (this rank's,
-        in recording order): one exchange of (count, hash); only if the ranks differ, a second one of
-        the whole lists. Returns ``(k, error)``: run the first ``k`` collectives now (a rank whose
-        graph holds more keeps the rest pending: another rank flushed earlier), and ``error`` is the
-        mismatch to raise, on every rank, once those ran."""
+        in recording order) and of structure ``signature``: one exchange of (count, hash, signature);
+        only if the ranks' collectives differ, a second one of the whole lists. Returns ``(k, error,
+        same)``: run the first ``k`` collectives now (a rank whose graph holds more keeps the rest
+        pending: another rank flushed earlier); ``error`` is the mismatch to raise, on every rank,
+        once those ran; ``same``: every rank's graph has this structure."""
         w = self._size
         with self._lock:
             self.descriptor_exchanges += 1
-            head = self._descriptor("fused_graph", numel=len(descs), root=hash(tuple(descs)) & ((1 << 62) - 1))
+            head = self._descriptor("fused_graph", numel=len(descs), root=hash(tuple(descs)) & ((1 << 62) - 1),
+                                    redop=signature)
             rows = self._exchange(head)
             if any(r[:2] != [_MAGIC, _OPCODE["fused_graph"]] or r[7] for r in rows):
                 calls = "; ".join(f"rank {r}: {_describe(rows[r], w)}" for r in range(w))
                 return 0, RuntimeError(f"torchtpu distributed: mismatched collective across the ranks of group "
-                                       f"{self._name_or_default()} (this is rank {self._rank}): {calls}")
-            if all(r == rows[0] for r in rows):
-                return len(descs), None
+                                       f"{self._name_or_default()} (this is rank {self._rank}): {calls}"), False
+            same = all(r[5] == rows[0][5] for r in rows)
+            if all(r[:5] == rows[0][:5] for r in rows):
+                return len(descs), None, same
             counts = [r[3] for r in rows]
             width = len(head)
             pad = (0,) * width
@@ -479,8 +482,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
                     f"torchtpu distributed: mismatched collective sequence under DeferAndFuse across the ranks of "
                     f"group {self._name_or_default()} (this is rank {self._rank}): collective #{i + 1} of the "
                     f"graph differs: {calls}. What was recorded before it ran; it and what was recorded after it "
-                    f"were dropped.")
-        return min(counts), None
+                    f"were dropped."), False
+        return min(counts), None, False
 
     # -------------------------------------------------------------- recording under DeferAndFuse
     def _recording(self, tensors) -> bool:

@@ -40,8 +40,10 @@ import sys
 import threading
 import warnings
 import weakref
+import zlib
 
 import jax
+import numpy as np
 from jax._src.array import ArrayImpl  # the concrete array type: a type check needs no backend
 
 from ..base import metrics, tracing
@@ -79,6 +81,8 @@ class Node:
         self.site = site
         self.token = token
 
+
+_NAME_CRC: dict = {}  # op name -> its crc32 (graph signatures compared across processes)
 
 _LOST = ("torchtpu DeferAndFuse: this tensor's value was never computed: the fused graph that was to "
          "compute it failed (that error named the lines that recorded it). Compute it again from its inputs.")
@@ -282,7 +286,12 @@ class Recorder:
             while self.pending:
                 upto, k, error = len(self.pending), len(self._descs), None
                 if self._group is not None:
-                    k, error = self._group.agree(self._descs)
+                    k, error, same = self._group.agree(self._descs, self._signature())
+                    if not same and k > 1:
+                        # the ranks' programs differ in other ops: XLA may order their collectives
+                        # differently, so this round's program holds one collective (a mismatch
+                        # further on is found again by a later round)
+                        k, error = 1, None
                     if k < len(self._descs):
                         upto = self._cpos[k]
                         node = self.pending[upto]
@@ -294,6 +303,22 @@ class Recorder:
                 if error is not None:
                     self._drop_pending()
                     raise error
+
+    def _signature(self) -> int:
+        """A hash of the pending graph's program: op names, how their inputs connect, the inputs'
+        shapes and dtypes and which are donated. Equal on ranks whose XLA programs are the same
+        (python hashes of ints and tuples are not salted; names and dtypes enter as numbers)."""
+        names = _NAME_CRC
+        sig = []
+        for n in self.pending:
+            c = names.get(n.name)
+            if c is None:
+                c = names[n.name] = zlib.crc32(n.name.encode())
+            sig.append((c, n.spec[1]))
+        ext = self._ext
+        avals = tuple((getattr(a, "shape", None), np.dtype(a.dtype).num if hasattr(a, "dtype") else type(a) is float,
+                       getattr(a, "weak_type", None)) for a in ext)
+        return hash((tuple(sig), avals, _donatable(ext))) & ((1 << 62) - 1)
 
     def _drop_pending(self) -> None:
         """Forget the pending graph: its results will never exist (a later use raises)."""
@@ -348,7 +373,7 @@ class Recorder:
                        else _PY_AVALS.get(type(a)) or (type(a), getattr(a, "shape", None),
                                                        getattr(a, "dtype", None))
                        for a in ext])
-        key = (spec, outs, donate, avals, group if k else None)
+        key = (spec, outs, donate, avals, (group, tuple(cpos[:k])) if k else None)
         try:
             if k:  # one SPMD program over the group's devices: each input this rank's shard of a global array
                 ext = [group.to_global(a, v[1]) for a, v in zip(ext, avals)]
@@ -357,7 +382,7 @@ class Recorder:
                 site = next((n.site for n in nodes if n.site is not None), None)
                 where = f"{site[0]}:{site[1]}" if site else "unknown"
                 metrics.record_miss(f"fused graph from {where}")
-                graph = _make_graph_fn(spec, outs, nodes)
+                graph = _make_graph_fn(spec, outs, nodes, cpos[:k])
                 if k:
                     graph = group.spmd(graph, tuple((a[0], a[2]) for a in avals))
                 with warnings.catch_warnings():
@@ -525,19 +550,30 @@ _PY_AVALS = {t: (z.shape, z.dtype, z.weak_type) for t, z in
              ((t, jax.eval_shape(lambda t=t: jax.numpy.asarray(t(0)))) for t in (bool, int, float, complex))}
 
 
-def _make_graph_fn(spec, outs, nodes):
+def _make_graph_fn(spec, outs, nodes, collectives=()):
+    """The traced function of a graph. ``collectives`` (node positions) run in recording order:
+    each one's inputs wait for the previous one's results, so that XLA cannot order (or overlap)
+    a graph's collectives differently on different ranks, whose programs may differ in other ops."""
     names = [(n.name, n.site) for n in nodes]
+    ordered = frozenset(collectives)
 
     def graph(*ext):
         env = []
-        for (fn, ins), (name, site) in zip(spec, names):
+        prev = None
+        for pos, ((fn, ins), (name, site)) in enumerate(zip(spec, names)):
             args = [ext[i] if type(i) is int else env[i[0]][i[1]] for i in ins]
+            if pos in ordered:
+                if prev is not None:
+                    args, _ = jax.lax.optimization_barrier((args, prev))
+                prev = None
             try:
                 with tracing.named_scope(name):
                     env.append(fn(*args))
             except Exception as e:
                 _add_site_note(e, name, site)
                 raise
+            if pos in ordered:
+                prev = env[-1]
         return [env[i][j] for i, j in outs]
 
     return graph
