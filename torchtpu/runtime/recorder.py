@@ -20,8 +20,17 @@ bool(t)), ``sync`` (torchtpu.sync, runtime/modes.synchronize), ``mode_switch``
 (runtime/modes), ``loop`` and ``size_cap`` (here, in ``record``), ``backward``
 (the end of a backward pass that recorded ops), ``materialize`` (a concrete
 buffer was needed by code outside the op path: storage.StorageData.buf),
-``collective`` (the distributed backend), ``bucket_scope`` (bucketing),
+``collective`` (the distributed backend, before a collective it does not record),
+``group_change`` (here: a recorded collective of another group than the pending graph's),
+``bucket_scope`` (bucketing),
 ``compiled graph`` (a compiled graph reads pending buffers).
+
+Collectives: the distributed backend records a collective with ``record(...,
+collective=(group, descriptor))``. The pending graph then runs over the group's devices:
+``group`` provides ``spmd(fn, avals)`` (the graph function wrapped in ``shard_map``),
+``to_global``/``to_local`` (this rank's arrays as shards of global arrays and back) and
+``agree(descriptors, signature)`` (the one exchange per graph, see ``flush``). This layer
+imports nothing of the distributed package.
 
 Flushes are asynchronous: ``flush`` dispatches the fused executable and
 returns (JAX dispatch does not wait), so the next step's recording overlaps
