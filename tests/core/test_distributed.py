@@ -538,6 +538,35 @@ def _defer_collective_checks(c, rank, world, gloo):
         _close(t, torch.full((2,), float(world)))
     c("defer_mismatch_raises_on_every_rank", mismatch)
 
+    def compiled_functional():
+        import warnings
+
+        import torch.distributed._functional_collectives as funcol
+
+        pg = dist.group.WORLD
+
+        def step(x):
+            a = funcol.all_reduce(torch.tanh(x) * 2, "sum", pg)
+            b = funcol.all_gather_tensor(x + 1, 0, pg)
+            r = funcol.reduce_scatter_tensor(x * x, "sum", 0, pg)
+            return a.sum(0), b * 3, r - 1
+
+        compiled = torch.compile(step, backend="tpu")
+        x = (torch.arange(24, dtype=torch.float32).reshape(4, 6) / 10 * (rank + 1)).to("tpu")
+        want = step(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", torchtpu.TPUFallbackWarning)
+            compiled(x)  # compiles
+            f0, n0 = snap()[0], pg.descriptor_exchanges
+            got = compiled(x)
+            f1 = snap()[0]
+        assert pg.descriptor_exchanges == n0 + 1, "the graph's three collectives were not one program"
+        assert f1.get("compiled graph", 0) == f0.get("compiled graph", 0) + 1 and \
+            f1.get("collective", 0) == f0.get("collective", 0), (f0, f1)
+        for g_, w_ in zip(got, want):
+            _close(g_, w_)
+    c("compiled_functional_collectives_one_program", compiled_functional)
+
 
 def _failure_checks(c, rank, world, dev="tpu"):
     """Mismatched calls must raise on every rank; a rank that never joins gives a timeout error."""
@@ -905,7 +934,7 @@ MAIN_CHECKS = [
     "all_to_all_single_uneven", "all_to_all_list", "gather_scatter_reduce", "barrier", "send_recv", "async_work",
     "cpu_tensors_through_tpu_group", "functional_collectives", "xla_transport_no_host_bytes", "defer_and_fuse_flush",
     "defer_records_all_reduce_train_step", "defer_records_ddp_train_step", "defer_records_data_movement",
-    "defer_mismatch_raises_on_every_rank", "new_group", "ddp_parity",
+    "defer_mismatch_raises_on_every_rank", "compiled_functional_collectives_one_program", "new_group", "ddp_parity",
     "device_mesh", "dtensor", "sharded_tensor_device_without_local_shards", "mismatch_shape", "mismatch_collective", "mismatch_dtype",
     "mismatch_all_to_all_splits", "mismatch_recv_size", "agreed_arguments_skip_exchange",
     "rank_never_joins_times_out",
