@@ -398,8 +398,9 @@ def _collective_checks(c, rank, world, gloo):
         torchtpu.metrics.reset()
         x = data((8,))
         with torchtpu.execution_mode("defer_and_fuse"):
-            t = x.to(dev) * 2 + 1  # pending: the collective must flush it first
-            dist.all_reduce(t)
+            t = x.to(dev) * 2 + 1  # pending: a collective that is not recorded must flush it first
+            with torchtpu.distributed.host_staged():
+                dist.all_reduce(t)
             u = t * 3
             v = u.cpu()
         flushes = torchtpu.metrics.snapshot()["flushes"]
@@ -408,6 +409,163 @@ def _collective_checks(c, rank, world, gloo):
         _close(v, ref * 3)
         assert flushes.get("collective", 0) >= 1, flushes
     c("defer_and_fuse_flush", defer_and_fuse)
+
+
+def _defer_collective_checks(c, rank, world, gloo):
+    """Under DeferAndFuse, collectives on tpu tensors are recorded into the pending graph (one SPMD
+    program over the group's devices) instead of flushing it."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    import torchtpu
+    from torchtpu.runtime.recorder import RECORDER
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(4, 6, generator=g) + rank for _ in range(3)]
+    ys = [torch.randn(4, 1, generator=g) for _ in range(3)]
+
+    def snap():
+        m = torchtpu.metrics.snapshot()
+        return dict(m["flushes"]), m["host_transfer_bytes"]
+
+    def train(ddp, mode):
+        """Three SGD steps; grads averaged by hand (all_reduce AVG) or by DDP. Returns the weights
+        and what the deferred steps did (flush reasons, host bytes, collectives seen pending)."""
+        model = make().to("tpu")
+        if ddp:
+            model = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = [(x.to("tpu"), y.to("tpu")) for x, y in zip(xs, ys)]
+        torchtpu.sync()
+        f0, _ = snap()
+        seen = 0
+        with torchtpu.execution_mode(mode):
+            for i, (x, y) in enumerate(data):
+                if i == len(data) - 1:  # (DDP's second forward rebuilds its buckets through host memory)
+                    _, h0 = snap()
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                if not ddp:
+                    for p in model.parameters():
+                        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+                seen += sum(n.name.startswith("c10d::") for n in RECORDER.pending)
+                opt.step()
+            torchtpu.sync()
+        f1, h1 = snap()
+        flushes = {k: f1.get(k, 0) - f0.get(k, 0) for k in f1 if f1.get(k, 0) != f0.get(k, 0)}
+        return [p.detach().cpu() for p in model.parameters()], flushes, h1 - h0, seen
+
+    def check(ddp):
+        def run():
+            eager, _, _, _ = train(ddp, "strict_eager")
+            fused, flushes, host_bytes, seen = train(ddp, "defer_and_fuse")
+            assert "collective" not in flushes, flushes
+            assert seen > 0, "no collective was ever pending: none was recorded"
+            assert host_bytes == 0, f"{host_bytes} bytes went through host memory"
+            for a, b in zip(eager, fused):
+                _close(b, a, rtol=1e-5, atol=1e-6)
+        return run
+    c("defer_records_all_reduce_train_step", check(False))
+    c("defer_records_ddp_train_step", check(True))
+
+    def data_movement():
+        # recorded collectives against gloo on CPU tensors; async works; a host read on one rank only
+        # in the middle (rank 0's graph then holds fewer collectives than rank 1's)
+        x = torch.arange(12, dtype=torch.float32).reshape(4, 3) * (rank + 1)
+        ref_ag = torch.empty(4 * world, 3)
+        dist.all_gather_into_tensor(ref_ag, x, group=gloo)
+        ref_rs = torch.empty(2, 3)
+        dist.reduce_scatter_tensor(ref_rs, x, group=gloo)
+        ref_b = x.clone()
+        dist.broadcast(ref_b, src=1, group=gloo)
+        xt = x.to("tpu")
+        torchtpu.sync()
+        f0, _ = snap()
+        with torchtpu.execution_mode("defer_and_fuse"):
+            t = xt * 1
+            ag = torch.empty(4 * world, 3, device="tpu")
+            w = dist.all_gather_into_tensor(ag, t, async_op=True)
+            w.wait()
+            if rank == 0:
+                _close(ag.cpu(), ref_ag)  # rank 0 alone flushes here
+            rs = torch.empty(2, 3, device="tpu")
+            dist.reduce_scatter_tensor(rs, t)
+            b = t.clone()
+            dist.broadcast(b, src=1)
+            outs = [torch.empty(3, device="tpu") for _ in range(world)]
+            dist.all_gather(outs, t[1])  # a strided view in, list out
+            col = torch.zeros(4, 2, device="tpu")
+            dist.all_reduce(col[:, 1])  # a strided view lands in place
+            torchtpu.sync()
+        f1, _ = snap()
+        _close(ag, ref_ag)
+        _close(rs, ref_rs)
+        _close(b, ref_b)
+        for r, o in enumerate(outs):
+            _close(o, x[1] / (rank + 1) * (r + 1))
+        assert f1.get("collective", 0) == f0.get("collective", 0), (f0, f1)
+    c("defer_records_data_movement", data_movement)
+
+    def mismatch():
+        pg = dist.group.WORLD
+        with torchtpu.execution_mode("defer_and_fuse"):
+            before = torch.ones(3, device="tpu") * 5 + rank  # recorded before the bad collective: kept
+            a = torch.ones(4 + rank, device="tpu")
+            dist.all_reduce(a)
+            n0 = pg.descriptor_exchanges
+            try:
+                a.cpu()
+            except RuntimeError as e:
+                msg = str(e)
+            else:
+                raise AssertionError("a mismatched collective sequence ran")
+            assert "collective #1" in msg and "4 elements" in msg and "5 elements" in msg, msg
+            assert pg.descriptor_exchanges == n0 + 1  # one (count, hash) exchange, then the lists
+            _close(before, torch.full((3,), 5.0 + rank))
+            try:
+                a.cpu()
+            except RuntimeError as e:
+                assert "never computed" in str(e), e
+            else:
+                raise AssertionError("a dropped collective's result was readable")
+        t = torch.ones(2, device="tpu")
+        dist.all_reduce(t)  # the group still works
+        _close(t, torch.full((2,), float(world)))
+    c("defer_mismatch_raises_on_every_rank", mismatch)
+
+    def compiled_functional():
+        import warnings
+
+        import torch.distributed._functional_collectives as funcol
+
+        pg = dist.group.WORLD
+
+        def step(x):
+            a = funcol.all_reduce(torch.tanh(x) * 2, "sum", pg)
+            b = funcol.all_gather_tensor(x + 1, 0, pg)
+            r = funcol.reduce_scatter_tensor(x * x, "sum", 0, pg)
+            return a.sum(0), b * 3, r - 1
+
+        compiled = torch.compile(step, backend="tpu")
+        x = (torch.arange(24, dtype=torch.float32).reshape(4, 6) / 10 * (rank + 1)).to("tpu")
+        want = step(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", torchtpu.TPUFallbackWarning)
+            compiled(x)  # compiles
+            f0, n0 = snap()[0], pg.descriptor_exchanges
+            got = compiled(x)
+            f1 = snap()[0]
+        assert pg.descriptor_exchanges == n0 + 1, "the graph's three collectives were not one program"
+        assert f1.get("compiled graph", 0) == f0.get("compiled graph", 0) + 1 and \
+            f1.get("collective", 0) == f0.get("collective", 0), (f0, f1)
+        for g_, w_ in zip(got, want):
+            _close(g_, w_)
+    c("compiled_functional_collectives_one_program", compiled_functional)
 
 
 def _failure_checks(c, rank, world, dev="tpu"):
@@ -615,6 +773,7 @@ def _main_job(rank, world, port, out_dir):
         c("backend_name", lambda: _eq(dist.get_backend(), "tpu"))
         gloo = dist.new_group(backend="gloo", timeout=LONG)
         _collective_checks(c, rank, world, gloo)
+        _defer_collective_checks(c, rank, world, gloo)
         sub = dist.new_group([0, 1], backend="tpu", timeout=LONG)
 
         def subgroup():
@@ -773,7 +932,9 @@ MAIN_CHECKS = [
     "all_reduce_bool", "all_reduce_strided_view", "broadcast", "broadcast_complex64", "all_gather",
     "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter_list", "all_to_all_single_even",
     "all_to_all_single_uneven", "all_to_all_list", "gather_scatter_reduce", "barrier", "send_recv", "async_work",
-    "cpu_tensors_through_tpu_group", "functional_collectives", "xla_transport_no_host_bytes", "defer_and_fuse_flush", "new_group", "ddp_parity",
+    "cpu_tensors_through_tpu_group", "functional_collectives", "xla_transport_no_host_bytes", "defer_and_fuse_flush",
+    "defer_records_all_reduce_train_step", "defer_records_ddp_train_step", "defer_records_data_movement",
+    "defer_mismatch_raises_on_every_rank", "compiled_functional_collectives_one_program", "new_group", "ddp_parity",
     "device_mesh", "dtensor", "sharded_tensor_device_without_local_shards", "mismatch_shape", "mismatch_collective", "mismatch_dtype",
     "mismatch_all_to_all_splits", "mismatch_recv_size", "agreed_arguments_skip_exchange",
     "rank_never_joins_times_out",

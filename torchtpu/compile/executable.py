@@ -39,6 +39,7 @@ from ..bucketing import BucketPolicy
 from ..dispatch import fallback
 from ..dispatch.lowering import LOWERINGS
 from ..runtime import checks, storage
+from ..runtime.modes import execution_mode
 from ..runtime.recorder import RECORDER
 from .nodes import (
     FUNCTIONAL,
@@ -520,6 +521,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, policy=None, label=N
             if n.op == "call_function" and node_kind(n) is None
         }
     )
+    if missing and all(m.startswith("_c10d_functional::") for m in missing):
+        return _run_recorded(gm, label or graph_label())
     if missing:
         hard = [m for m, n in _missing_nodes(gm) if _no_kernel(n.target)]
         if hard and not fallback.cpu_fallback_enabled():
@@ -538,12 +541,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, policy=None, label=N
             )
         metrics.record_miss("compiled graph (eager: " + ", ".join(missing) + ")")
 
-        # eager kernels may return other (valid) strides than the fake ones the graph was
-        # traced with, so views that assumed those strides become reshapes
-        for n in gm.graph.nodes:
-            if n.op == "call_function" and n.target in (aten.view.default, aten._unsafe_view.default):
-                n.target = aten.reshape.default
-        gm.recompile()
+        _views_as_reshapes(gm)
 
         def run_eager(args):
             with torch.no_grad():
@@ -564,6 +562,34 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, policy=None, label=N
     run._boxed_call = True
     run.program = prog
     return run
+
+
+def _views_as_reshapes(gm):
+    """Eager kernels may return other (valid) strides than the fake ones the graph was traced
+    with, so views that assumed those strides become reshapes."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in (aten.view.default, aten._unsafe_view.default):
+            n.target = aten.reshape.default
+    gm.recompile()
+
+
+def _run_recorded(gm, label):
+    """A graph holding functional collectives (``_c10d_functional``): its ops are recorded by
+    DeferAndFuse, collectives included (the distributed backend records them), and flushed at its
+    end as one fused XLA program over the group's devices, cached by structure like any fused
+    graph: compute and communication in one executable, not one executable per op."""
+    _views_as_reshapes(gm)
+    metrics.record_miss(label + " (recorded: functional collectives)")
+
+    def run_recorded(args):
+        with torch.no_grad(), execution_mode("defer_and_fuse"):
+            out = gm(*args)
+            args.clear()
+            RECORDER.flush("compiled graph")
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+
+    run_recorded._boxed_call = True
+    return run_recorded
 
 
 def _default_policy():

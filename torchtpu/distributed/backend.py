@@ -53,7 +53,8 @@ import torch.distributed as dist
 
 from ..base import dtypes, metrics
 from ..runtime import storage
-from ..runtime.recorder import RECORDER
+from ..runtime.modes import deferring
+from ..runtime.recorder import RECORDER, LazyBuf, token_of
 from . import runtime as _runtime
 from .xla import GroupMesh
 
@@ -104,7 +105,7 @@ def agreed_arguments():
 # ---------------------------------------------------------------- descriptors
 _OPS = ["all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
         "reduce_scatter_tensor", "all_to_all_single", "all_to_all", "gather", "scatter", "reduce",
-        "barrier", "all_reduce_coalesced", "all_gather_coalesced"]
+        "barrier", "all_reduce_coalesced", "all_gather_coalesced", "fused_graph"]
 _OPCODE = {n: i + 1 for i, n in enumerate(_OPS)}
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
            torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
@@ -132,6 +133,8 @@ def _describe(row, world) -> str:
     op = _OPS[row[1] - 1] if 0 < row[1] <= len(_OPS) else f"op#{row[1]}"
     if row[7]:
         return f"{op} with invalid arguments (see that rank's error)"
+    if op == "fused_graph":
+        return f"a DeferAndFuse graph holding {row[3]} collectives"
     parts = []
     if op != "barrier":
         parts.append(_dtype_name(row[2]))
@@ -348,6 +351,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         # descriptor exchange + launch must not interleave between threads (ranks would pair them differently)
         self._lock = threading.RLock()
         self.descriptor_exchanges = 0  # how many collectives were checked (agreed_arguments() skips some)
+        self._graph_group = _GraphGroup(self) if self._mesh is not None else None
 
     # -------------------------------------------------------------- identity
     def getBackendName(self):
@@ -403,24 +407,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
             return None
         self.descriptor_exchanges += 1
         w = self._size
-        desc = torch.zeros(_HDR + 2 * w, dtype=torch.int64)
-        desc[0] = _MAGIC
-        desc[1] = _OPCODE[op]
-        desc[2] = _dtype_code(dtype) if dtype is not None else 0
-        desc[3] = numel
-        desc[4] = root
-        desc[5] = redop
-        desc[6] = count
-        desc[7] = 1 if error is not None else 0
-        if send is not None:
-            desc[_HDR:_HDR + w] = torch.as_tensor(send, dtype=torch.int64)
-            desc[_HDR + w:] = torch.as_tensor(recv, dtype=torch.int64)
-        table = torch.empty(w * desc.numel(), dtype=torch.int64)
-        self._gloo._allgather_base(table, desc).wait()
-        table = table.view(w, -1)
+        rows = self._exchange(self._descriptor(op, dtype, numel, root, redop, count, send, recv, error))
         if error is not None:
             raise error
-        rows = table.tolist()
         bad = [r for r in range(w) if rows[r][7]]
         if bad:
             raise RuntimeError(
@@ -444,6 +433,81 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 f"torchtpu distributed: mismatched collective across the ranks of group "
                 f"{self._name_or_default()} (this is rank {self._rank}): {calls}")
         return rows
+
+    def _descriptor(self, op, dtype=None, numel=0, root=0, redop=0, count=0, send=None, recv=None, error=None):
+        """One call's descriptor row: (magic, op, dtype, elements, root, reduce op, tensors, error flag,
+        send counts, recv counts)."""
+        w = self._size
+        return ((_MAGIC, _OPCODE[op], _dtype_code(dtype) if dtype is not None else 0, int(numel), int(root),
+                 int(redop), int(count), 1 if error is not None else 0)
+                + (tuple(int(x) for x in send) + tuple(int(x) for x in recv) if send is not None else (0,) * (2 * w)))
+
+    def _exchange(self, flat) -> list:
+        """Every rank's int64 row ``flat`` (all the same length), through the group's gloo."""
+        row = torch.tensor(flat, dtype=torch.int64)
+        table = torch.empty(self._size * row.numel(), dtype=torch.int64)
+        self._gloo._allgather_base(table, row).wait()
+        return table.view(self._size, -1).tolist()
+
+    def _agree_graph(self, descs, signature):
+        """The descriptor exchange of a DeferAndFuse graph holding collectives ``descs`` (this rank's,
+        in recording order) and of structure ``signature``: one exchange of (count, hash, signature);
+        only if the ranks' collectives differ, a second one of the whole lists. Returns ``(k, error,
+        same)``: run the first ``k`` collectives now (a rank whose graph holds more keeps the rest
+        pending: another rank flushed earlier); ``error`` is the mismatch to raise, on every rank,
+        once those ran; ``same``: every rank's graph has this structure."""
+        w = self._size
+        with self._lock:
+            self.descriptor_exchanges += 1
+            head = self._descriptor("fused_graph", numel=len(descs), root=hash(tuple(descs)) & ((1 << 62) - 1),
+                                    redop=signature)
+            rows = self._exchange(head)
+            if any(r[:2] != [_MAGIC, _OPCODE["fused_graph"]] or r[7] for r in rows):
+                calls = "; ".join(f"rank {r}: {_describe(rows[r], w)}" for r in range(w))
+                return 0, RuntimeError(f"torchtpu distributed: mismatched collective across the ranks of group "
+                                       f"{self._name_or_default()} (this is rank {self._rank}): {calls}"), False
+            same = all(r[5] == rows[0][5] for r in rows)
+            if all(r[:5] == rows[0][:5] for r in rows):
+                return len(descs), None, same
+            counts = [r[3] for r in rows]
+            width = len(head)
+            pad = (0,) * width
+            mine = [x for d in descs for x in d] + list(pad) * (max(counts) - len(descs))
+            lists = [[tuple(r[i * width:(i + 1) * width]) for i in range(counts[q])]
+                     for q, r in enumerate(self._exchange(mine))]
+        for i in range(min(counts)):
+            if any(lst[i] != lists[0][i] for lst in lists):
+                calls = "; ".join(f"rank {r}: {_describe(lists[r][i], w)}" for r in range(w))
+                return i, RuntimeError(
+                    f"torchtpu distributed: mismatched collective sequence under DeferAndFuse across the ranks of "
+                    f"group {self._name_or_default()} (this is rank {self._rank}): collective #{i + 1} of the "
+                    f"graph differs: {calls}. What was recorded before it ran; it and what was recorded after it "
+                    f"were dropped."), False
+        return min(counts), None, False
+
+    # -------------------------------------------------------------- recording under DeferAndFuse
+    def _recording(self, tensors) -> bool:
+        """Is this collective recorded into the pending DeferAndFuse graph (XLA transport, tpu tensors,
+        none empty) rather than run now?"""
+        return deferring() and self._use_xla(tensors) and all(t.numel() for t in tensors)
+
+    def _record(self, desc, kind, static, inputs, outputs):
+        """Record collective ``kind`` of ``inputs`` (flattened, concatenated) into the pending graph;
+        its result, split in order, lands in ``outputs``."""
+        bufs = [_pending_flat(t) for t in inputs]
+        in_sizes = tuple(t.numel() for t in inputs)
+        out_sizes = tuple(t.numel() for t in outputs)
+        mesh = self._mesh
+        fn = mesh.graph_fn((kind, static, in_sizes, out_sizes),
+                           lambda: _collective_fn(mesh.body(kind, *static), len(in_sizes), out_sizes))
+        name = f"c10d::{_OPS[desc[1] - 1]}"
+        outs = RECORDER.record(fn, bufs, (), list(out_sizes), name, token_of(fn), collective=(self._graph_group, desc))
+        for b in outs:
+            # computed whichever results stay alive: every rank's program must hold the collective
+            RECORDER.watch(b)
+        for t, b in zip(outputs, outs):
+            _land_pending(t, b)
+        return _Work([], None, list(outputs))
 
     def _name_or_default(self):
         try:
@@ -513,7 +577,6 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def _allreduce_impl(self, tensors, opts, op):
         redop = _redop(opts.reduceOp)
         with self._lock:
-            _flush()
             error = None
             try:
                 if not tensors:
@@ -526,6 +589,10 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 gop, work_dtype, avg = self._reduce_plan(dtype, redop, op)
             except (TypeError, ValueError) as e:
                 error, dtype = e, None
+            if error is None and self._recording(tensors):
+                desc = self._descriptor(op, dtype, sum(t.numel() for t in tensors), redop=redop, count=len(tensors))
+                return self._record(desc, "reduce", (_xla_op(redop),), tensors, tensors)
+            _flush()
             self._agree(op, dtype, sum(t.numel() for t in tensors), redop=redop, count=len(tensors), error=error)
             if self._use_xla(tensors):
                 flats = [storage.flat_value(t) for t in tensors]
@@ -599,8 +666,11 @@ class ProcessGroupTPU(dist.ProcessGroup):
         opts = opts or _C.BroadcastOptions()
         root = opts.rootRank
         with self._lock:
-            _flush()
             t = tensors[0]
+            if self._recording([t]):
+                return self._record(self._descriptor("broadcast", t.dtype, t.numel(), root=root), "broadcast",
+                                    (root,), [t], [t])
+            _flush()
             self._agree("broadcast", t.dtype, t.numel(), root=root)
             if self._use_xla([t]):
                 out = self._mesh.run("broadcast", storage.flat_value(t), root)
@@ -618,7 +688,6 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts or _C.AllgatherOptions()
         with self._lock:
-            _flush()
             t = inputs[0]
             outs = output_lists[0]
             error = None
@@ -628,6 +697,10 @@ class ProcessGroupTPU(dist.ProcessGroup):
             elif any(o.numel() != t.numel() or o.dtype != t.dtype for o in outs):
                 error = ValueError("torchtpu distributed: all_gather: every output tensor must have the "
                                    f"input's size and dtype ({list(t.shape)}, {t.dtype})")
+            if error is None and self._recording([t, *outs]):
+                self._record(self._descriptor("all_gather", t.dtype, t.numel()), "all_gather", (), [t], outs)
+                return _Work([], None, [outs])
+            _flush()
             self._agree("all_gather", t.dtype, t.numel(), error=error)
             if self._use_xla([t, *outs]):
                 res = self._mesh.run("all_gather", storage.flat_value(t))
@@ -648,12 +721,15 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def _allgather_base(self, output, input, opts=None):
         opts = opts or _C.AllgatherOptions()
         with self._lock:
-            _flush()
             error = None
             if output.numel() != input.numel() * self._size or output.dtype != input.dtype:
                 error = ValueError(
                     f"torchtpu distributed: all_gather_into_tensor: output has {output.numel()} elements of "
                     f"{output.dtype}, expected {self._size} x {input.numel()} of {input.dtype}")
+            if error is None and self._recording([input, output]):
+                return self._record(self._descriptor("all_gather_into_tensor", input.dtype, input.numel()),
+                                    "all_gather", (), [input], [output])
+            _flush()
             self._agree("all_gather_into_tensor", input.dtype, input.numel(), error=error)
             if self._use_xla([input, output]):
                 _land(output, self._mesh.run("all_gather", storage.flat_value(input)))
@@ -696,8 +772,8 @@ class ProcessGroupTPU(dist.ProcessGroup):
                                f"device and number of elements ({output.device}, {output.numel()})")
         if error is not None:
             with self._lock:
+                _flush()
                 self._agree("reduce_scatter", output.dtype, output.numel(), redop=_redop(opts.reduceOp), error=error)
-        _flush()
         stacked = torch.cat([i.reshape(-1) for i in inputs])  # on the inputs' device (one tpu op)
         return self._reduce_scatter_impl(output, stacked, opts, "reduce_scatter")
 
@@ -711,7 +787,6 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def _reduce_scatter_impl(self, output, input, opts, op):
         redop = _redop(opts.reduceOp)
         with self._lock:
-            _flush()
             error = None
             gop = work_dtype = avg = None
             try:
@@ -722,6 +797,10 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 gop, work_dtype, avg = self._reduce_plan(output.dtype, redop, op)
             except (TypeError, ValueError) as e:
                 error = e
+            if error is None and self._recording([input, output]):
+                return self._record(self._descriptor(op, output.dtype, output.numel(), redop=redop), "reduce_scatter",
+                                    (_xla_op(redop),), [input], [output])
+            _flush()
             self._agree(op, output.dtype, output.numel(), redop=redop, error=error)
             if self._use_xla([input, output]):
                 _land(output, self._mesh.run("reduce_scatter", storage.flat_value(input), _xla_op(redop)))
@@ -747,7 +826,6 @@ class ProcessGroupTPU(dist.ProcessGroup):
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         opts = opts or _C.AllToAllOptions()
         with self._lock:
-            _flush()
             w = self._size
             out_splits = list(output_split_sizes or [])
             in_splits = list(input_split_sizes or [])
@@ -766,6 +844,11 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 out_splits = [0] * w
             send = [s * row_in for s in in_splits]
             recv = [s * row_out for s in out_splits]
+            if error is None and len(set(send)) == 1 and set(recv) == set(send) and self._recording([input, output]):
+                # even splits (uneven ones need the widest chunk of any rank: flushed and run as below)
+                return self._record(self._descriptor("all_to_all_single", input.dtype, send=send, recv=recv),
+                                    "all_to_all", (), [input], [output])
+            _flush()
             rows = self._agree("all_to_all_single", input.dtype, send=send, recv=recv, error=error)
             if self._use_xla([input, output]):
                 _land(output, self._mesh.all_to_all(storage.flat_value(input), send, recv,
@@ -951,6 +1034,60 @@ class ProcessGroupTPU(dist.ProcessGroup):
             o = _host_out(t)
             work = self._gloo.recv([_bytes_flat(o)], src, tag)
             return _Work([work], lambda: _write_back([(t, o)]), [t], source_rank=lambda: source)
+
+
+class _GraphGroup:
+    """What the DeferAndFuse recorder needs of a group whose collectives it records (see
+    ``Recorder.record``): the group's SPMD wrapping (``xla.GroupMesh``) and the per-graph exchange."""
+
+    __slots__ = ("spmd", "to_global", "to_local", "agree")
+
+    def __init__(self, pg: ProcessGroupTPU):
+        self.spmd = pg._mesh.spmd
+        self.to_global = pg._mesh.to_global
+        self.to_local = pg._mesh.to_local
+        self.agree = pg._agree_graph
+
+
+def _collective_fn(body, n_in: int, out_sizes: tuple):
+    """A recorded collective's node function: its flat inputs concatenated, ``body`` over the group,
+    the result split into ``out_sizes`` pieces."""
+    offs = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
+
+    def collective(*blocks):
+        y = body(blocks[0] if n_in == 1 else jnp.concatenate(blocks))
+        if len(out_sizes) == 1:
+            return [y]
+        return [y[o:o + n] for o, n in zip(offs, out_sizes)]
+
+    return collective
+
+
+def _pending_flat(t: torch.Tensor):
+    """``t``'s elements as one flat (possibly pending) buffer for a recorded collective: its storage's
+    own buffer when ``t`` covers it, else the buffer of a recorded contiguous copy."""
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    sd = storage.storage_data(t)
+    if sd.dtype is not t.dtype:
+        sd.retype(t.dtype)
+    buf = sd.raw_buf if sd.raw_buf is not None else sd.buf
+    n = buf.numel if type(buf) is LazyBuf else buf.size
+    if t.storage_offset() == 0 and n == t.numel() and t.is_contiguous():
+        return buf
+    with torch.no_grad():
+        return _pending_flat(t.clone(memory_format=torch.contiguous_format))
+
+
+def _land_pending(t: torch.Tensor, buf) -> None:
+    """Put pending flat buffer ``buf`` (a recorded collective's result) into tpu tensor ``t``, in place."""
+    sd = storage.storage_data(t)
+    if (t.storage_offset() == 0 and t.is_contiguous() and not (t.is_conj() or t.is_neg()) and sd.dtype is t.dtype
+            and sd.nbytes == t.numel() * t.element_size()):
+        sd.buf = buf
+        return
+    with torch.no_grad():
+        t.copy_(storage.new_tensor(tuple(t.shape), t.dtype, buf))
 
 
 def _row_numel(t: torch.Tensor) -> int:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src.lax.lax import _convert_element_type  # the one way to give a traced value back its weak type
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -112,7 +113,12 @@ def _program(mesh: Mesh, kind: str, static: tuple):
 
 
 class GroupMesh:
-    """A group's ranks as a 1-D mesh of their processes' devices; runs collective programs on it."""
+    """A group's ranks as a 1-D mesh of their processes' devices; runs collective programs on it.
+
+    Besides running one collective (``run``), it is what a DeferAndFuse graph holding collectives
+    runs over (runtime/recorder.py): ``body`` gives a collective's per-rank function for such a
+    graph, ``spmd`` wraps a whole graph function in ``shard_map`` over the mesh, and ``to_global``
+    / ``to_local`` turn this rank's arrays into its shard of a global array and back (no copies)."""
 
     def __init__(self, devices, rank: int):
         self.devices = tuple(devices)
@@ -121,6 +127,48 @@ class GroupMesh:
         self.device = self.devices[rank]
         self.mesh = Mesh(np.array(self.devices), (AXIS,))
         self._sharding = NamedSharding(self.mesh, P(AXIS))
+        self._fns: dict = {}
+
+    def body(self, kind: str, *static):
+        """Collective ``kind``'s function of this rank's flat block, for use inside ``spmd``."""
+        return _body(kind, static, self.size)
+
+    def graph_fn(self, key, make):
+        """One function object per ``key`` (a DeferAndFuse graph's cache key holds its nodes'
+        functions: the same collective must bring the same function every step)."""
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = make()
+        return fn
+
+    def spmd(self, fn, avals):
+        """``fn`` of this rank's arrays (shapes and weak types ``avals``) as a function of the global
+        arrays ``to_global`` makes, returning global arrays (``to_local`` gives back this rank's part)."""
+        def per_rank(*blocks):
+            args = []
+            for b, (shape, weak) in zip(blocks, avals):
+                if b.shape != shape:
+                    b = b.reshape(shape)
+                args.append(_convert_element_type(b, weak_type=True) if weak else b)
+            return [o.reshape(1) if o.ndim == 0 else o for o in fn(*args)]
+
+        return jax.shard_map(per_rank, mesh=self.mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False)
+
+    def to_global(self, x, dtype):
+        """This rank's array (or python number) ``x`` as its shard of a global array over the mesh."""
+        if not isinstance(x, jax.Array):
+            x = jax.device_put(np.full((1,), x, dtype), self.device)
+        elif x.ndim == 0:
+            x = x.reshape(1)
+        if self.device not in x.devices():
+            x = jax.device_put(x, self.device)
+        return jax.make_array_from_single_device_arrays((self.size * x.shape[0],) + x.shape[1:], self._sharding,
+                                                        [x])
+
+    @staticmethod
+    def to_local(g):
+        """This rank's shard of global array ``g``."""
+        return g.addressable_shards[0].data
 
     def run(self, kind: str, local, *static):
         """This rank's flat result of collective ``kind`` on its flat block ``local`` (a jax array)."""
