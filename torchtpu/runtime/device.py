@@ -416,20 +416,24 @@ _LIBS: list = []
 
 
 def _pin_memory(self, device=None):
-    """``pin_memory()`` of a CPU tensor when the accelerator is tpu and the C++ hooks are not built.
+    """``pin_memory()`` of a CPU tensor when the accelerator is tpu: checks the device, then copies.
 
-    torch asks the PrivateUse1 hooks for a pinned host allocator, which Python
-    hooks cannot provide in torch 2.13 (NotImplementedError, e.g. from
-    ``DataLoader(pin_memory=True)``): return the copy ``pin_memory`` promises, in
-    ordinary memory (``is_pinned()`` stays False). With the C++ hooks
-    (runtime/pinned.py) torch's own kernel copies into pinned memory.
+    With the C++ hooks (runtime/pinned.py) the copy lands in their pinned allocator, with the
+    source's strides, as torch's own kernel does. Without them a Python backend has no pinned
+    allocator in torch 2.13 (torch's kernel raises NotImplementedError, e.g. from
+    ``DataLoader(pin_memory=True)``): the copy ``pin_memory`` promises, in ordinary memory
+    (``is_pinned()`` False).
     """
     if device is not None and torch.device(device).type != "tpu":
         raise RuntimeError(
             f"torchtpu: cannot pin memory for device {torch.device(device)}: this process's accelerator is tpu"
         )
     check_device(device)
-    return self.clone(memory_format=torch.preserve_format)
+    if not pinned.pinned_hooks_active():
+        return self.clone(memory_format=torch.preserve_format)
+    span = 1 + sum((n - 1) * st for n, st in zip(self.shape, self.stride())) if self.numel() else 0
+    out = torch.empty(span, dtype=self.dtype, pin_memory=True).as_strided(self.shape, self.stride())
+    return out.copy_(self)
 
 
 def _quantized_error(*args, **kwargs):
@@ -448,9 +452,9 @@ def _quantized_error(*args, **kwargs):
 
 def _install_kernels() -> None:
     lib = torch.library.Library("aten", "IMPL")
-    if not pinned.pinned_hooks_active():
-        # a CPU kernel takes precedence over _pin_memory's CompositeExplicitAutograd one, which fails here
-        lib.impl("_pin_memory", _pin_memory, "CPU")
+    # a CPU kernel takes precedence over _pin_memory's CompositeExplicitAutograd one, which cannot check
+    # the device index (tpu:1) and without the C++ hooks fails
+    lib.impl("_pin_memory", _pin_memory, "CPU")
     # quantized tensors moved to (or made on) tpu dispatch to the QuantizedPrivateUse1 key, where torch
     # otherwise answers with a long "could not run ... from the 'Quantizedtpu' backend" dump
     for op in ("empty.memory_format", "empty_quantized", "_empty_affine_quantized",
