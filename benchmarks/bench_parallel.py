@@ -95,12 +95,10 @@ def _worker(rank, port, world, args, queue):
                 loss.backward()
             opt.step()
         steps[name] = step
-    for step in steps.values():  # warm-up: compiles, and DDP rebuilds its buckets after step 1
-        for _ in range(2):
+    for step in steps.values():  # warm-up: compiles; DDP rebuilds its buckets in step 2, step 3 uses them
+        for _ in range(3):
             step()
         torchtpu.synchronize()
-    buckets = {name: len(m._get_ddp_logging_data().get("bucket_sizes", "").split(", "))
-               for name, (m, _) in setups.items() if name != "fsdp2"}
 
     per = {name: [] for name in steps}
     for _ in range(args.repeats):
@@ -117,7 +115,7 @@ def _worker(rank, port, world, args, queue):
     if rank == 0:
         per = {n: table[i].tolist() for i, n in enumerate(SETUPS)}
         params = sum(p.numel() for p in setups["ddp"][0].parameters())
-        queue.put({"per_repeat_s": per, "buckets": buckets, "parameters": params})
+        queue.put({"per_repeat_s": per, "parameters": params})
     dist.barrier(group=gloo)
     dist.destroy_process_group()
 
@@ -162,7 +160,9 @@ def main():
              for o, d, n in zip(per["ddp_one_bucket"], per["ddp"], per["no_sync"])]),
         "fsdp2_over_ddp": _ratio(per, "fsdp2", "ddp"),
     }
-    print(f"\n{args.world} processes, {res['parameters'] / 1e6:.2f}M parameters, buckets {res['buckets']}")
+    cap = "torch's default (1 MB first, then 25 MB)" if args.bucket_mb is None else f"{args.bucket_mb} MB"
+    print(f"\n{args.world} processes, {res['parameters'] / 1e6:.2f}M parameters "
+          f"({res['parameters'] * 4 / 2**20:.1f} MB of f32 gradients), DDP buckets: {cap}")
     for n in SETUPS:
         print(f"{n:<16}{med[n] * 1e3:>10.1f} ms/step")
     print(" ".join(f"{k}={v:.3f}" for k, v in summary.items()))
@@ -172,7 +172,7 @@ def main():
                           "config": {k: getattr(args, k) for k in ("vocab", "d_model", "layers", "heads", "seq",
                                                                    "batch", "bucket_mb", "repeats", "iters")},
                           "wall_s": time.time() - t0, "environment": environment(args.threads),
-                          "parameters": res["parameters"], "buckets": res["buckets"],
+                          "parameters": res["parameters"],
                           "step_s": med, "per_repeat_s": per, "summary": summary})
 
 
