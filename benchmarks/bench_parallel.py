@@ -2,20 +2,22 @@
 
 ``--world`` processes (``benchmarks/common.py`` ``spawn_ranks``), a ``"tpu"`` process group (XLA
 collectives), the test transformer (``torchtpu_models.TinyTransformer``) with SGD, each rank its own
-``--batch`` sequences. Four set-ups of the same model take turns repeat by repeat (so load from other
+``--batch`` sequences. Five set-ups of the same model take turns repeat by repeat (so load from other
 jobs falls on all alike), each timed over ``--iters`` steps closed by ``torchtpu.synchronize()``; a
 step's time is the slowest rank's:
 
 * ``ddp``: ``DistributedDataParallel(model)`` with its default buckets (a 1 MB first bucket, then
   25 MB; ``--bucket-mb`` sets them): each bucket's all-reduce is dispatched as soon as its
   gradients are ready, while the rest of backward still runs;
+* ``ddp_unchecked``: the same with ``TORCHTPU_DIST_CHECK=0`` (no descriptor exchange: one gloo round
+  trip less per bucket);
 * ``ddp_one_bucket``: ``bucket_cap_mb`` huge: one all-reduce after the whole backward (nothing overlaps);
 * ``no_sync``: DDP inside ``no_sync()``: no communication at all (the floor);
 * ``fsdp2``: ``fully_shard`` per block and at the root (all-gathers in forward and backward,
   reduce-scatters of the gradients, the optimizer on shards).
 
-Reported: each step time, ``ddp/no_sync`` and ``ddp_one_bucket/no_sync`` (the cost of communication
-with and without overlap), the share of ``ddp_one_bucket``'s communication time that bucketing hides,
+Reported: each step time, ``ddp/ddp_unchecked`` (what the exchanges cost), ``ddp/no_sync`` and
+``ddp_one_bucket/no_sync`` (the cost of communication with and without overlap), the share of ``ddp_one_bucket``'s communication time that bucketing hides,
 ``(one_bucket - ddp) / (one_bucket - no_sync)``, and ``fsdp2/ddp``.
 
     python benchmarks/bench_parallel.py --out runs/bench_parallel.json
@@ -25,6 +27,7 @@ with and without overlap), the share of ``ddp_one_bucket``'s communication time 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -34,7 +37,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import early_threads, environment, pin_threads, spawn_ranks, write_json  # noqa: E402
 
-SETUPS = ("ddp", "ddp_one_bucket", "no_sync", "fsdp2")
+SETUPS = ("ddp", "ddp_unchecked", "ddp_one_bucket", "no_sync", "fsdp2")
+
+
+@contextlib.contextmanager
+def _unchecked():
+    """Collectives without the tpu backend's descriptor exchange (a gloo round trip per collective,
+    docs/distributed.md), through its public switch; read per call, so it covers the autograd thread."""
+    old = os.environ.get("TORCHTPU_DIST_CHECK")
+    os.environ["TORCHTPU_DIST_CHECK"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TORCHTPU_DIST_CHECK"]
+        else:
+            os.environ["TORCHTPU_DIST_CHECK"] = old
 
 
 def _model(args):
@@ -49,20 +67,20 @@ def _model(args):
 
 def _setups(args):
     """{name: (the module a step calls, the context each step runs in)}."""
-    import contextlib
-
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ddp_kw = {} if args.bucket_mb is None else {"bucket_cap_mb": args.bucket_mb}
     ddp = DDP(_model(args), **ddp_kw)
+    unchecked = DDP(_model(args), **ddp_kw)
     one = DDP(_model(args), bucket_cap_mb=1 << 20)
     local = DDP(_model(args), **ddp_kw)
     sharded = _model(args)
     for block in sharded.blocks:
         fully_shard(block)
     fully_shard(sharded)
-    return {"ddp": (ddp, contextlib.nullcontext), "ddp_one_bucket": (one, contextlib.nullcontext),
+    return {"ddp": (ddp, contextlib.nullcontext), "ddp_unchecked": (unchecked, _unchecked),
+            "ddp_one_bucket": (one, contextlib.nullcontext),
             "no_sync": (local, local.no_sync), "fsdp2": (sharded, contextlib.nullcontext)}
 
 
@@ -158,6 +176,8 @@ def main():
         "hidden_share": statistics.median(
             [(o - d) / (o - n) if o > n else float("nan")
              for o, d, n in zip(per["ddp_one_bucket"], per["ddp"], per["no_sync"])]),
+        "ddp_over_unchecked": _ratio(per, "ddp", "ddp_unchecked"),
+        "unchecked_over_no_sync": _ratio(per, "ddp_unchecked", "no_sync"),
         "fsdp2_over_ddp": _ratio(per, "fsdp2", "ddp"),
     }
     cap = "torch's default (1 MB first, then 25 MB)" if args.bucket_mb is None else f"{args.bucket_mb} MB"

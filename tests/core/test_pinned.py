@@ -95,11 +95,13 @@ def test_without_cpp_hooks():
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
-def test_pin_memory_keeps_strides_and_checks_the_device():
-    t = torch.arange(24.0).reshape(4, 6)[:, ::2]  # not contiguous
+def test_pin_memory_of_any_layout_and_the_device_check():
+    t = torch.arange(24.0).reshape(4, 6).t()  # dense, not contiguous: its strides are kept
     p = t.pin_memory()
     assert p.is_pinned() and p.stride() == t.stride() and torch.equal(p, t)
-    assert torch.empty(0).pin_memory().is_pinned()
+    for odd in (t[:, ::2], torch.arange(3.0).expand(4, 3), torch.empty(0)):
+        q = odd.pin_memory()
+        assert q.is_pinned() and torch.equal(q, odd)
     for bad, match in (("tpu:1", "device index 1"), ("cpu", "accelerator is tpu")):
         try:
             t.pin_memory(bad)

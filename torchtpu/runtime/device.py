@@ -418,8 +418,7 @@ _LIBS: list = []
 def _pin_memory(self, device=None):
     """``pin_memory()`` of a CPU tensor when the accelerator is tpu: checks the device, then copies.
 
-    With the C++ hooks (runtime/pinned.py) the copy lands in their pinned allocator, with the
-    source's strides, as torch's own kernel does. Without them a Python backend has no pinned
+    With the C++ hooks (runtime/pinned.py) the copy lands in their pinned allocator. Without them a Python backend has no pinned
     allocator in torch 2.13 (torch's kernel raises NotImplementedError, e.g. from
     ``DataLoader(pin_memory=True)``): the copy ``pin_memory`` promises, in ordinary memory
     (``is_pinned()`` False).
@@ -431,9 +430,8 @@ def _pin_memory(self, device=None):
     check_device(device)
     if not pinned.pinned_hooks_active():
         return self.clone(memory_format=torch.preserve_format)
-    span = 1 + sum((n - 1) * st for n, st in zip(self.shape, self.stride())) if self.numel() else 0
-    out = torch.empty(span, dtype=self.dtype, pin_memory=True).as_strided(self.shape, self.stride())
-    return out.copy_(self)
+    # dense strides (the source's when it is dense): an expanded tensor pins too
+    return torch.empty_like(self, pin_memory=True).copy_(self)
 
 
 def _quantized_error(*args, **kwargs):
