@@ -75,9 +75,9 @@ def _dmp(device, cfg, pg):
                            dense_arch_layer_sizes=[64, cfg["dim"]], over_arch_layer_sizes=[64, 1], dense_device=meta))
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ADAGRAD,
                                                           "learning_rate": 0.05, "eps": 1e-8})
-    kw = {} if device == "tpu" else {"data_parallel_wrapper": DefaultDataParallelWrapper(static_graph=False)}
+    # both sides the same DDP (without static_graph: the same reducer work)
     dmp = DistributedModelParallel(model, device=torch.device(device), env=ShardingEnv.from_process_group(pg),
-                                   sharders=[sharder], **kw)
+                                   sharders=[sharder], data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=False))
     if device == "tpu" and cfg.get("compiled"):
         from torchtpu_rec.sharding import compile_dense
 

@@ -11,7 +11,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.torchtpu-installed
 want=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+# the tpu's C++ PrivateUse1 hooks (pinned host memory for DDP's static graph, pin_memory()):
+# torchtpu/runtime/pinned.py; a no-op when built. Without a compiler torchtpu still works, without them.
+build_hooks() {
+  .venv/bin/python -c "from torchtpu.runtime import pinned; pinned.build()" \
+    || echo "setup.sh: torchtpu's C++ hooks did not build (g++ and ninja needed): no pinned memory, no DDP static_graph" >&2
+}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  build_hooks
   exit 0
 fi
 pip() { .venv/bin/python -m pip "$@"; }
@@ -22,4 +29,5 @@ pip install -q -e ".[test]"
 # torchrec's metadata asks for the CUDA fbgemm-gpu; its real needs are in pyproject.toml
 pip install -q --no-deps "torchrec==1.8.0"
 .venv/bin/python -c "import torch, jax, torchrec, ray, torchtpu; assert torch.__version__.startswith('2.13.0')"
+build_hooks
 echo "$want" > "$stamp"

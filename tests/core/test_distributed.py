@@ -715,6 +715,56 @@ def _ddp_check(c, rank, world):
             _close(p, q, rtol=1e-4, atol=1e-5)
     c("ddp_parity", ddp)
 
+    # The test transformer, with an auxiliary head that the step given decides to use: DDP's
+    # static_graph and find_unused_parameters keep a used-parameter map in pinned host memory
+    # (the tpu's C++ hooks, torchtpu/runtime/pinned.py).
+    class WithAuxHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            from torchtpu_models import TinyTransformer
+
+            torch.manual_seed(0)
+            self.lm = TinyTransformer(vocab_size=32, d_model=16, n_layers=2, n_heads=2, max_seq_len=8)
+            self.aux = nn.Linear(32, 1)
+
+        def forward(self, tokens, use_aux):
+            logits = self.lm(tokens[:, :-1])
+            loss = nn.functional.cross_entropy(logits.reshape(-1, 32), tokens[:, 1:].reshape(-1))
+            return loss + self.aux(logits).pow(2).mean() if use_aux else loss
+
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, 32, (2 * world, 9), generator=g) for _ in range(2)]
+
+    def train(model, aux_steps, ddp_model=None):
+        # SGD with momentum: a head left unused on a step must keep grad None (no momentum step), as
+        # in one process; a zero gradient would still move it
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        for step, tokens in enumerate(batches):
+            opt.zero_grad()
+            if ddp_model is None:
+                model(tokens, step in aux_steps).backward()
+            else:
+                ddp_model(tokens[2 * rank:2 * (rank + 1)].to("tpu"), step in aux_steps).backward()
+            opt.step()
+        return model
+
+    def ddp_transformer(aux_steps, **ddp_kwargs):
+        from torchtpu.runtime import pinned
+
+        assert pinned.pinned_hooks_active(), "the tpu's C++ hooks are not built: run scripts/setup.sh"
+        ref = train(WithAuxHead(), aux_steps).state_dict()
+        model = WithAuxHead().to("tpu")
+        train(model, aux_steps, nn.parallel.DistributedDataParallel(model, **ddp_kwargs))
+        for k, v in model.state_dict().items():
+            _close(v, ref[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+    # static graph: the same parameters every step (the head on every step); the second step runs
+    # the buckets static_graph rebuilt from the first
+    c("ddp_static_graph_transformer", lambda: ddp_transformer({0, 1}, static_graph=True))
+    # the head used on step 0 and not on step 1: DDP must find it unused (else its backward waits for
+    # a gradient that never comes) and leave its gradient None on every rank
+    c("ddp_find_unused_parameters_transformer", lambda: ddp_transformer({0}, find_unused_parameters=True))
+
 
 def _mesh_check(c, rank, world):
     import torch
@@ -935,6 +985,7 @@ MAIN_CHECKS = [
     "cpu_tensors_through_tpu_group", "functional_collectives", "xla_transport_no_host_bytes", "defer_and_fuse_flush",
     "defer_records_all_reduce_train_step", "defer_records_ddp_train_step", "defer_records_data_movement",
     "defer_mismatch_raises_on_every_rank", "compiled_functional_collectives_one_program", "new_group", "ddp_parity",
+    "ddp_static_graph_transformer", "ddp_find_unused_parameters_transformer",
     "device_mesh", "dtensor", "sharded_tensor_device_without_local_shards", "mismatch_shape", "mismatch_collective", "mismatch_dtype",
     "mismatch_all_to_all_splits", "mismatch_recv_size", "agreed_arguments_skip_exchange",
     "rank_never_joins_times_out",

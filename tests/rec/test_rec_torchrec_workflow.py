@@ -120,7 +120,7 @@ def _worker(rank, port, tmpdir):
     def unchanged_call():
         dmp = DistributedModelParallel(_dlrm(), device=tpu)  # nothing else, as on GPU
         ddp = dmp._dmp_wrapped_module
-        assert isinstance(ddp, DistributedDataParallel) and not ddp.static_graph, type(ddp)
+        assert isinstance(ddp, DistributedDataParallel) and ddp.static_graph, type(ddp)  # TorchRec's default
         ebc = dmp.module.model.sparse_arch.embedding_bag_collection
         assert isinstance(ebc, TPUShardedEmbeddingBagCollection), type(ebc)
         for name, ps in dmp.plan.plan[EBC_PATH].items():
@@ -149,9 +149,16 @@ def _worker(rank, port, tmpdir):
         assert dmp.fused_optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
         state = dmp.fused_optimizer.state_dict()["state"]
         assert {k.rsplit(".", 1)[-1] for v in state.values() for k in v} == {"momentum1"}, state
-        # TorchRec's default wrapper (DDP static_graph) cannot run on tpu: a clear error, not a failed backward
-        with pytest.raises(ValueError, match="static_graph"):
-            DistributedModelParallel(_dlrm(), device=tpu, data_parallel_wrapper=DefaultDataParallelWrapper())
+        # TorchRec's static-graph wrapper given explicitly, as GPU code does, trains a step on tpu (its
+        # reducer's used-parameter map is in the tpu's pinned host memory)
+        dmp = DistributedModelParallel(_dlrm(), device=tpu, sharders=[sharder],
+                                       data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=True))
+        assert dmp._dmp_wrapped_module.static_graph
+        dense = list(dmp.module.model.over_arch.parameters())
+        before = [p.detach().cpu().clone() for p in dense]
+        _step(dmp, _dense_opt(dmp), batches[1])
+        moved = [not torch.equal(b, p.detach().cpu()) for b, p in zip(before, dense)]
+        assert moved and all(moved), moved
 
     check("torchrec_sharder_and_static_graph_wrapper", torchrec_sharder_and_wrapper)
 

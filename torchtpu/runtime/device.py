@@ -24,6 +24,7 @@ import torch
 
 from ..base import platform, rng
 from ..base.memory import MEMORY
+from . import pinned
 from .modes import synchronize as synchronize_all
 
 _INDEX_ERROR = (
@@ -64,6 +65,8 @@ def jax_device():
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    """The hooks when the C++ ones (runtime/pinned.py, which answer the same plus a pinned allocator) are not built."""
+
     def is_available(self) -> bool:
         return True
 
@@ -413,20 +416,22 @@ _LIBS: list = []
 
 
 def _pin_memory(self, device=None):
-    """``pin_memory()`` of a CPU tensor when the accelerator is tpu.
+    """``pin_memory()`` of a CPU tensor when the accelerator is tpu: checks the device, then copies.
 
-    torch asks the PrivateUse1 hooks for a pinned host allocator, which a Python
-    backend cannot provide in torch 2.13 (NotImplementedError, e.g. from
-    ``DataLoader(pin_memory=True)``). Host->tpu transfers go through JAX, which
-    stages host buffers itself, so page-locking gains nothing: return the copy
-    ``pin_memory`` promises, in ordinary memory (``is_pinned()`` stays False).
+    With the C++ hooks (runtime/pinned.py) the copy lands in their pinned allocator. Without them a Python backend has no pinned
+    allocator in torch 2.13 (torch's kernel raises NotImplementedError, e.g. from
+    ``DataLoader(pin_memory=True)``): the copy ``pin_memory`` promises, in ordinary memory
+    (``is_pinned()`` False).
     """
     if device is not None and torch.device(device).type != "tpu":
         raise RuntimeError(
             f"torchtpu: cannot pin memory for device {torch.device(device)}: this process's accelerator is tpu"
         )
     check_device(device)
-    return self.clone(memory_format=torch.preserve_format)
+    if not pinned.pinned_hooks_active():
+        return self.clone(memory_format=torch.preserve_format)
+    # dense strides (the source's when it is dense): an expanded tensor pins too
+    return torch.empty_like(self, pin_memory=True).copy_(self)
 
 
 def _quantized_error(*args, **kwargs):
@@ -445,7 +450,8 @@ def _quantized_error(*args, **kwargs):
 
 def _install_kernels() -> None:
     lib = torch.library.Library("aten", "IMPL")
-    # a CPU kernel takes precedence over _pin_memory's CompositeExplicitAutograd one, which fails here
+    # a CPU kernel takes precedence over _pin_memory's CompositeExplicitAutograd one, which cannot check
+    # the device index (tpu:1) and without the C++ hooks fails
     lib.impl("_pin_memory", _pin_memory, "CPU")
     # quantized tensors moved to (or made on) tpu dispatch to the QuantizedPrivateUse1 key, where torch
     # otherwise answers with a long "could not run ... from the 'Quantizedtpu' backend" dump
@@ -517,7 +523,8 @@ def register() -> None:
     torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
     module = _make_module()
     torch._register_device_module("tpu", module)
-    torch._C._acc.register_python_privateuseone_hook(_Hooks())
+    if not pinned.register_hooks():  # the C++ hooks with the pinned allocator, when built
+        torch._C._acc.register_python_privateuseone_hook(_Hooks())
     torch._C._acc.register_python_privateuseone_device_guard(_Guard())
     _install_accelerator()
     _install_kernels()

@@ -2,19 +2,18 @@
 
 TorchRec's DMP fills in what its caller leaves out inside ``__init__``, with choices that only hold for
 cpu/cuda/mtia and no per-device hook: ``get_default_sharders()`` (fbgemm TBE kernels), a planner over
-``Topology(compute_device=...)`` (which asserts cpu/cuda/mtia) and ``DefaultDataParallelWrapper()``
-(DDP with ``static_graph=True``, whose reducer needs a pinned-memory allocator a Python backend cannot
-provide, see docs/rec.md). So ``import torchtpu_rec`` wraps ``DistributedModelParallel.__init__`` once
-(:func:`install`): for a tpu ``device`` it fills in
+``Topology(compute_device=...)`` (which asserts cpu/cuda/mtia). So ``import torchtpu_rec`` wraps
+``DistributedModelParallel.__init__`` once (:func:`install`): for a tpu ``device`` it fills in
 
 * ``sharders``: :func:`~torchtpu_rec.sharding.tpu_sharders` (fused SGD at lr 0.01 without
   ``fused_params``, fbgemm's default); TorchRec's own ``EmbeddingBagCollectionSharder`` /
   ``EmbeddingCollectionSharder`` given explicitly become the tpu sharders with the same ``fused_params``;
 * ``plan``: :func:`~torchtpu_rec.sharding.planner.plan_for_tpu` over the DMP's process group (TorchRec's
   planner taught tpu; a planner error reaches every rank);
-* ``data_parallel_wrapper``: :func:`~torchtpu_rec.sharding.tpu_data_parallel_wrapper`; an explicit
-  static-graph ``DefaultDataParallelWrapper`` is refused with a clear error instead of failing in the
-  first backward.
+* ``data_parallel_wrapper``: TorchRec's own ``DefaultDataParallelWrapper()`` (DDP with ``static_graph=True``)
+  stays, as its reducer's pinned host memory comes from the tpu's C++ hooks (torchtpu.runtime.pinned);
+  where they are not built, :func:`~torchtpu_rec.sharding.tpu_data_parallel_wrapper` instead, and an
+  explicit static-graph wrapper is refused with a clear error instead of failing in the first backward.
 
 Arguments given explicitly are kept; other devices go to TorchRec untouched.
 """
@@ -31,6 +30,8 @@ from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
+
+from torchtpu.runtime.pinned import pinned_hooks_active
 
 _MARK = "_torchtpu_rec_defaults"
 
@@ -49,10 +50,10 @@ def _tpu_sharder(sharder):
 
 
 def tpu_data_parallel_wrapper(**ddp_kwargs) -> DefaultDataParallelWrapper:
-    """DMP's ``data_parallel_wrapper`` for tpu: DDP of the dense part without ``static_graph``.
+    """DMP's ``data_parallel_wrapper`` without ``static_graph`` (plain DDP of the dense part).
 
-    TorchRec's default wrapper builds DDP(static_graph=True), whose reducer asks the PrivateUse1
-    hooks for a pinned host allocator that a Python backend cannot provide (torch 2.13).
+    The default on tpu where the tpu's C++ hooks are not built: TorchRec's default wrapper builds
+    DDP(static_graph=True), whose reducer asks them for pinned host memory (see torchtpu.runtime.pinned).
     """
     return DefaultDataParallelWrapper(static_graph=False, ddp_kwargs=ddp_kwargs or None)
 
@@ -71,13 +72,15 @@ def tpu_arguments(module: torch.nn.Module, env: Optional[ShardingEnv], plan, sha
                                "(torch.distributed.init_process_group('tpu'))")
         env = ShardingEnv.from_process_group(pg)
     sharders = tpu_sharders() if sharders is None else [_tpu_sharder(s) for s in sharders]
-    if data_parallel_wrapper is None:
+    if pinned_hooks_active():
+        pass  # TorchRec's default wrapper (None) and any other run unchanged
+    elif data_parallel_wrapper is None:
         data_parallel_wrapper = tpu_data_parallel_wrapper()
     elif type(data_parallel_wrapper) is DefaultDataParallelWrapper and data_parallel_wrapper._static_graph:  # noqa: SLF001
         raise ValueError(
             "DistributedModelParallel on tpu: DefaultDataParallelWrapper(static_graph=True) builds a DDP whose "
-            "reducer needs a pinned host allocator that the tpu device cannot provide (torch 2.13's Python "
-            "PrivateUse1 hooks); leave data_parallel_wrapper out or pass "
+            "reducer needs pinned host memory, and the tpu's C++ hooks that provide it are not built "
+            "(scripts/setup.sh builds them; torchtpu.runtime.pinned); leave data_parallel_wrapper out or pass "
             "torchtpu_rec.sharding.tpu_data_parallel_wrapper()")
     if plan is None:
         world = env.world_size

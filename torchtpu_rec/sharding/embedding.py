@@ -48,6 +48,8 @@ from torchrec.distributed.types import (
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchtpu.runtime.pinned import pinned_hooks_active
+
 from .embeddingbag import HOST, TPUSharderMixin, check_kjt, tpu_placements
 from .kernel import TPU_COMPUTE_KERNELS, TPUGroupedEmbeddingsLookup
 
@@ -251,12 +253,12 @@ class TPUShardedEmbeddingCollection(ShardedEmbeddingCollection):
         return self
 
     def init_data_parallel(self) -> None:
-        # plain DDP (not static_graph: its reducer asks the PrivateUse1 hooks for a pinned allocator)
+        # as TorchRec (DDP with static_graph) where the tpu's C++ hooks give its reducer pinned host memory
         for i, (sharding, lookup) in enumerate(zip(self._sharding_type_to_sharding.values(), self._lookups)):
             if isinstance(sharding, DpSequenceEmbeddingSharding):
                 self._lookups[i] = DistributedDataParallel(
                     module=lookup, device_ids=None, process_group=self._env.process_group,
-                    gradient_as_bucket_view=True, broadcast_buffers=True, static_graph=False)
+                    gradient_as_bucket_view=True, broadcast_buffers=True, static_graph=pinned_hooks_active())
 
     def _create_input_dist(self, input_feature_names: List[str], ctx=None) -> None:
         # the feature-order tensor goes with the features, which stay on the host

@@ -38,6 +38,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchtpu.distributed import agreed_arguments
+from torchtpu.runtime.pinned import pinned_hooks_active
 
 from .kernel import TPU_COMPUTE_KERNELS, TPUGroupedPooledEmbeddingsLookup
 
@@ -194,15 +195,14 @@ class TPUShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return self
 
     def init_data_parallel(self) -> None:
-        # TorchRec wraps data-parallel lookups in DDP(static_graph=True); the static-graph reducer stages its
-        # used-parameter map in pinned host memory, whose allocator only C++ PrivateUse1 hooks can provide
-        # (torch 2.13's Python hooks forward is_available/has_primary_context/is_built only; docs/rec.md),
-        # so tpu replicas use a plain DDP (same gradients, averaged over the group).
+        # TorchRec wraps data-parallel lookups in DDP(static_graph=True), whose reducer stages its
+        # used-parameter map in pinned host memory: the tpu's C++ hooks provide it (torchtpu.runtime.pinned);
+        # without them a plain DDP (same gradients, averaged over the group). device_ids: none for tpu.
         for i, (sharding, lookup) in enumerate(zip(self._embedding_shardings, self._lookups)):
             if isinstance(sharding, DpPooledEmbeddingSharding):
                 self._lookups[i] = DistributedDataParallel(
                     module=lookup, device_ids=None, process_group=self._env.process_group,
-                    gradient_as_bucket_view=True, broadcast_buffers=True, static_graph=False)
+                    gradient_as_bucket_view=True, broadcast_buffers=True, static_graph=pinned_hooks_active())
 
     def _create_input_dist(self, input_feature_names: List[str]) -> None:
         # TorchRec puts the feature-order tensor on the compute device; the features stay on the host here.
