@@ -245,7 +245,9 @@ class LearnerWorker:
         self.started_at = time.time()
         import ray
 
-        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed  # until load_checkpoint
+        # a Ray actor's process that Ray restarted, until load_checkpoint (False outside an actor)
+        ctx = ray.get_runtime_context() if ray.is_initialized() else None
+        self.restarted = bool(ctx is not None and ctx.get_actor_id() is not None and ctx.was_current_actor_reconstructed)
 
     def _check_restored(self, what: str) -> None:
         if self.restarted:
