@@ -72,16 +72,16 @@ def tpu_arguments(module: torch.nn.Module, env: Optional[ShardingEnv], plan, sha
                                "(torch.distributed.init_process_group('tpu'))")
         env = ShardingEnv.from_process_group(pg)
     sharders = tpu_sharders() if sharders is None else [_tpu_sharder(s) for s in sharders]
-    if pinned_hooks_active():
-        pass  # TorchRec's default wrapper (None) and any other run unchanged
-    elif data_parallel_wrapper is None:
-        data_parallel_wrapper = tpu_data_parallel_wrapper()
-    elif type(data_parallel_wrapper) is DefaultDataParallelWrapper and data_parallel_wrapper._static_graph:  # noqa: SLF001
-        raise ValueError(
-            "DistributedModelParallel on tpu: DefaultDataParallelWrapper(static_graph=True) builds a DDP whose "
-            "reducer needs pinned host memory, and the tpu's C++ hooks that provide it are not built "
-            "(scripts/setup.sh builds them; torchtpu.runtime.pinned); leave data_parallel_wrapper out or pass "
-            "torchtpu_rec.sharding.tpu_data_parallel_wrapper()")
+    # with the tpu's C++ hooks (pinned memory) TorchRec's default wrapper (None) and any other run unchanged
+    if not pinned_hooks_active():
+        if data_parallel_wrapper is None:
+            data_parallel_wrapper = tpu_data_parallel_wrapper()
+        elif type(data_parallel_wrapper) is DefaultDataParallelWrapper and data_parallel_wrapper._static_graph:  # noqa: SLF001
+            raise ValueError(
+                "DistributedModelParallel on tpu: DefaultDataParallelWrapper(static_graph=True) builds a DDP whose "
+                "reducer needs pinned host memory, and the tpu's C++ hooks that provide it are not built "
+                "(scripts/setup.sh builds them; torchtpu.runtime.pinned); leave data_parallel_wrapper out or pass "
+                "torchtpu_rec.sharding.tpu_data_parallel_wrapper()")
     if plan is None:
         world = env.world_size
         plan = plan_for_tpu(module, sharders, world_size=world, pg=env.process_group,
