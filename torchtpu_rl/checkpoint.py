@@ -51,16 +51,21 @@ def _set_rng_state(state: dict) -> None:
     torch.tpu.set_rng_state(state["tpu"])
 
 
-def save_checkpoint(path: str, learner, driver_state: Optional[dict] = None) -> str:
-    """Write ``learner`` (model, optimizer, version), this process's RNG and ``driver_state``."""
+def save_checkpoint(path: str, learner, driver_state: Optional[dict] = None,
+                    reference_path: Optional[str] = None) -> str:
+    """Write ``learner`` (model, optimizer, version), this process's RNG and ``driver_state``.
+
+    ``reference_path``: the frozen reference policy goes there once (written when that file is missing),
+    and the checkpoint holds its digest and where it is, instead of another copy of its weights."""
     import torchtpu
 
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"save_checkpoint: path must be a str or PathLike, not {type(path).__name__}")
     torchtpu.synchronize()
+    ref = reference_path is not None and getattr(learner, "ref_policy", None) is not None
     state = {
         "format": FORMAT,
-        "learner": to_host(learner.state_dict()),
+        "learner": to_host(learner.state_dict(include_reference=False) if ref else learner.state_dict()),
         "policy_version": int(learner.policy_version),
         "rng": _rng_state(),
         "driver": to_host(driver_state) if driver_state is not None else None,
@@ -70,10 +75,35 @@ def save_checkpoint(path: str, learner, driver_state: Optional[dict] = None) -> 
     d = os.path.dirname(path)
     if d:
         os.makedirs(d, exist_ok=True)
+    if ref:
+        reference_path = os.fspath(reference_path)
+        if not _reference_matches(reference_path, learner.reference_digest()):
+            _save_reference(reference_path, learner)
+        state["reference"] = os.path.relpath(os.path.abspath(reference_path), os.path.dirname(os.path.abspath(path)))
     tmp = f"{path}.tmp.{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, path)
     return path
+
+
+REFERENCE_FORMAT = "torchtpu_rl.reference/1"
+
+
+def _reference_matches(path: str, digest: str) -> bool:
+    if not os.path.isfile(path):
+        return False
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("digest") == digest
+    except Exception:  # noqa: BLE001 - an unreadable file is written again
+        return False
+
+
+def _save_reference(path: str, learner) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save({"format": REFERENCE_FORMAT, "digest": learner.reference_digest(),
+                "ref_policy": to_host(learner.ref_policy.state_dict())}, tmp)
+    os.replace(tmp, path)
 
 
 def read_checkpoint(path: str) -> dict:
@@ -100,6 +130,16 @@ def load_checkpoint(path: str, learner) -> Optional[dict]:
     if "shards" in state["learner"]:
         raise ValueError(f"checkpoint {os.fspath(path)!r} was saved by a sharded learner "
                          f"({state['learner']['world_size']} processes); load it with learner_processes > 1")
+    digest = state["learner"].get("ref_policy_digest")
+    if (state.get("reference") and "ref_policy" not in state["learner"]
+            and getattr(learner, "ref_policy", None) is not None and learner.reference_digest() != digest):
+        # this learner's reference is not the run's (e.g. built from other weights): load the stored one
+        ref_path = os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), state["reference"])
+        if not os.path.isfile(ref_path):
+            raise FileNotFoundError(f"checkpoint {os.fspath(path)!r}: its reference policy file {ref_path!r} is "
+                                    "missing")
+        ref = torch.load(ref_path, map_location="cpu", weights_only=True)
+        learner.load_reference(ref["ref_policy"], digest)
     learner.load_state_dict(state["learner"])
     if int(learner.policy_version) != state["policy_version"]:
         raise RuntimeError(f"checkpoint {path!r}: the learner reports policy_version {learner.policy_version} "

@@ -44,12 +44,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import math
 import os
 import shutil
 import time
 import uuid
-import warnings
 from typing import Callable, Optional
 
 import numpy as np
@@ -57,6 +55,7 @@ import numpy as np
 from . import checkpoint as _ckpt
 from . import weight_sync as ws
 from .data import PromptDataset
+from .scoring import RewardError, Scorer
 from .topology import Topology
 from .workers import (RolloutRequest, RolloutResult, WorkerNotReady, actor_died_errors, call_restartable,
                       wait_for_actor)
@@ -106,15 +105,6 @@ def ray_session(run_dir: Optional[str] = None, *, num_cpus: int = 2, object_stor
         head.stop()
 
 
-class RewardError(RuntimeError):
-    """A reward function raised or returned a non-finite value for a sample."""
-
-    def __init__(self, message, sample: Optional[dict] = None):
-        super().__init__(message)
-        self.sample = sample
-
-
-@dataclasses.dataclass
 class _StepRollouts:
     step: int
     items: list  # (dataset_index, prompt, metadata) per prompt
@@ -168,7 +158,8 @@ class RLDriver:
                  sampling=None, prompts_per_step: int = 8, group_size: int = 4, mode: str = "sync",
                  max_staleness: int = 1, transport: str = "object_store", collective_backend: Optional[str] = None,
                  requests_per_worker: int = 1, seed: int = 0, on_reward_error: str = "stop",
-                 reward_on_error: float = 0.0, recovery_timeout_s: float = 120.0, tokenizer=None,
+                 reward_on_error: float = 0.0, max_reward_error_fraction: float = 0.5,
+                 recovery_timeout_s: float = 120.0, tokenizer=None,
                  checkpoint_dir: Optional[str] = None, checkpoint_every: Optional[int] = None,
                  checkpoint_interval_s: float = 600.0, keep_checkpoints: int = 2, sync_abort_s: float = 10.0):
         from .rollout import SamplingParams
@@ -265,6 +256,8 @@ class RLDriver:
         self.on_trained: Optional[Callable] = None
         self.last_sync: dict = {}
         self.last_batch = None  # the RolloutBatch of the latest step (host tensors)
+        self.scorer = Scorer(self._reward_call, on_error=on_reward_error, default=reward_on_error,
+                             max_error_fraction=max_reward_error_fraction, events=self.events, metrics_of=reward_fn)
 
     # ------------------------------------------------------------ weight sync
     @property
@@ -481,7 +474,7 @@ class RLDriver:
 
     def _save_periodic(self) -> None:
         path = os.path.join(self.checkpoint_dir, f"step_{self.step_idx:08d}.pt")
-        self.save_checkpoint(path)
+        self.save_checkpoint(path, os.path.join(self.checkpoint_dir, "reference.pt"))
         if path in self._own_checkpoints:
             self._own_checkpoints.remove(path)
         self._own_checkpoints.append(path)
@@ -598,60 +591,18 @@ class RLDriver:
             sr.results[req.request_id] = res
 
     # ------------------------------------------------------------ rewards
-    def _score(self, prompts, responses, metas) -> tuple:
+    def _reward_call(self, ps, rs, ms) -> list:
+        if self.reward_fn is not None:
+            return self.reward_fn(ps, rs, ms)
+
         def reward_actor_died(e):
             self.events.append({"event": "reward_actor_died", "step": self.step_idx, "error": type(e).__name__})
 
-        def call(ps, rs, ms):
-            if self.reward_fn is not None:
-                return list(self.reward_fn(ps, rs, ms))
-            return list(call_restartable(self.topo.reward_actor, "score", ps, rs, ms,
-                                         timeout_s=self.recovery_timeout_s, on_death=reward_actor_died))
+        return call_restartable(self.topo.reward_actor, "score", ps, rs, ms, timeout_s=self.recovery_timeout_s,
+                                on_death=reward_actor_died)
 
-        errors = []
-        extra = {}
-        try:
-            vals = call(prompts, responses, metas)
-            if len(vals) != len(prompts):
-                raise RewardError(f"reward function returned {len(vals)} values for {len(prompts)} samples")
-            # per-reward means of a RewardSet (only when the batch was scored in one call)
-            extra = dict(getattr(self.reward_fn, "last_metrics", None) or {})
-        except RewardError:
-            raise
-        except Exception:
-            vals = None
-        if vals is None:  # find the offending samples one by one
-            vals = []
-            for k in range(len(prompts)):
-                try:
-                    v = call([prompts[k]], [responses[k]], [metas[k]])
-                    vals.append(v[0] if len(v) == 1 else float("nan"))
-                except Exception as e:  # noqa: BLE001 - reported with the sample
-                    vals.append(None)
-                    errors.append((k, f"{type(e).__name__}: {e}"))
-        out = []
-        for k, v in enumerate(vals):
-            try:
-                f = float(v) if v is not None else None
-            except (TypeError, ValueError):
-                f = None
-                errors.append((k, f"returned {v!r}, not a number"))
-            if f is not None and not math.isfinite(f):
-                errors.append((k, f"returned {f}"))
-                f = None
-            out.append(f)
-        if errors:
-            k, why = errors[0]
-            sample = {"index": k, "prompt": prompts[k], "response": responses[k], "metadata": metas[k]}
-            msg = (f"reward for sample {k} {why} (prompt={prompts[k]}, response={responses[k]}, "
-                   f"metadata={metas[k]!r}); {len(errors)} bad sample(s) in step {self.step_idx}")
-            if self.on_reward_error == "stop":
-                raise RewardError(msg, sample)
-            warnings.warn(msg + f"; scoring them {self.reward_on_error} (on_reward_error='continue')",
-                          RuntimeWarning, stacklevel=3)
-            self.events.append({"event": "reward_error", "step": self.step_idx, "count": len(errors),
-                                "first": sample, "why": why})
-        return [self.reward_on_error if f is None else f for f in out], len(errors), extra
+    def _score(self, prompts, responses, metas) -> tuple:
+        return self.scorer.score(prompts, responses, metas, self.step_idx)
 
     def _reward_inputs(self, items, batch, group_size: int, dataset: PromptDataset) -> tuple:
         """What the reward sees for ``batch`` (rows: each of ``items``' prompts ``group_size``
@@ -852,10 +803,16 @@ class RLDriver:
                 "history": [{k: v for k, v in h.items() if isinstance(v, (int, float, str)) or v is None}
                             for h in self.history]}
 
-    def save_checkpoint(self, path: str) -> str:
+    def save_checkpoint(self, path: str, reference_path: Optional[str] = None) -> str:
+        """The learner and this driver's position at ``path``. ``reference_path``: the frozen reference
+        policy is stored there once, not in every checkpoint (not for a sharded learner)."""
         if self._sync_refs:
             self._finish_sync()
-        out = self._learner_call("save_checkpoint", os.fspath(path), self.state_dict())
+        # absolute: the learner actor's working directory is not this process's
+        args = [os.path.abspath(os.fspath(path)), self.state_dict()]
+        if reference_path is not None and not self.sharded:
+            args.append(os.path.abspath(os.fspath(reference_path)))
+        out = self._learner_call("save_checkpoint", *args)
         self.last_checkpoint = out
         self._last_checkpoint_time = time.monotonic()
         return out
@@ -869,7 +826,7 @@ class RLDriver:
         for sr in self._pending:  # work queued under the old position runs out and is dropped
             ray.wait(list(sr.refs), num_returns=len(sr.refs))
         self._pending.clear()
-        state = self._learner_call("load_checkpoint", os.fspath(path))
+        state = self._learner_call("load_checkpoint", os.path.abspath(os.fspath(path)))
         self.last_checkpoint = os.fspath(path)
         self._last_checkpoint_time = time.monotonic()
         if state is None:

@@ -39,6 +39,7 @@ __all__ = [
     "reward_model_config",
     "reward_scores",
     "save_hf",
+    "check_weights",
 ]
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -113,6 +114,38 @@ def causal_lm_config(model_dir, what: str = "causal_lm_config"):
     return cfg
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model")
+
+
+def check_weights(model_dir, what: str = "check_weights") -> list:
+    """The directory's weight files, each read far enough to know it is whole: a safetensors header must
+    cover the file, a PyTorch zip must have its central directory (a copy cut short loses the end).
+    Cheap (no tensor is read); a torn or missing file is refused naming it, before any actor loads it."""
+    import zipfile
+
+    d = _model_dir(model_dir, what)
+    files = sorted(f for f in os.listdir(d) if f.endswith(_WEIGHT_SUFFIXES) and os.path.isfile(os.path.join(d, f)))
+    if not files:
+        raise ValueError(f"{what}: {d!r} holds no weight files (*.safetensors or *.bin; found: "
+                         f"{sorted(os.listdir(d))[:12]})")
+    for f in files:
+        path = os.path.join(d, f)
+        try:
+            if f.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(path, "pt") as fh:
+                    fh.keys()
+            elif not zipfile.is_zipfile(path):
+                raise ValueError("not a complete PyTorch zip archive")
+        except Exception as e:  # noqa: BLE001 - re-raised naming the file
+            raise ValueError(f"{what}: the weight file {path!r} is torn or unreadable ({type(e).__name__}: {e}); "
+                             "copy or download it again") from e
+    return files
+
+
 def generation_eos_ids(model_dir) -> list:
     """The end-of-sequence ids a checkpoint declares (config and generation_config.json; chat models
     often have several, e.g. an end-of-turn token besides eos)."""
@@ -164,6 +197,10 @@ def load_tokenizer(model_dir):
     if not isinstance(model_dir, (str, os.PathLike)) or not os.path.isdir(os.fspath(model_dir)):
         raise FileNotFoundError(f"{what}: tokenizer directory {model_dir!r} does not exist")
     d = os.fspath(model_dir)
+    if not any(os.path.isfile(os.path.join(d, f)) for f in _TOKENIZER_FILES):
+        # AutoTokenizer would build an empty tokenizer from config.json alone, and the data would get the blame
+        raise ValueError(f"{what}: {d!r} has no tokenizer files (none of {list(_TOKENIZER_FILES)}; found: "
+                         f"{sorted(os.listdir(d))[:12]}); save the tokenizer there (tokenizer.save_pretrained)")
     try:
         if _declared_tokenizer_class(d) in ("TokenizersBackend", "PreTrainedTokenizerFast"):
             # a plain tokenizers-library tokenizer (e.g. one trained with `tokenizers`): load that class.

@@ -37,6 +37,7 @@ the rollout engine's numerics, or a stale policy version, are from the learner's
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 from typing import Optional
@@ -354,6 +355,7 @@ class Learner:
         self.policy_version = 0
         self._gen = torch.Generator().manual_seed(int(seed))  # mini-batch shuffling (host)
         self.last_metrics: dict = {}
+        self._ref_digest: Optional[str] = None  # the frozen reference's digest, computed on first use
 
     # ------------------------------------------------------------ layout
     def _layout(self, batch: RolloutBatch):
@@ -655,9 +657,11 @@ class Learner:
         full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return {k: v.to(self.param_dtype) if v.is_floating_point() else v for k, v in full.items()}
 
-    def state_dict(self) -> dict:
+    def state_dict(self, include_reference: bool = True) -> dict:
         """Everything to continue exactly: model(s), optimizer(s), RNG states, policy version.
-        (The driver adds its own data cursor.) All tensors on the host."""
+        (The driver adds its own data cursor.) All tensors on the host. ``include_reference=False``: the
+        frozen reference policy as its digest only (its weights are stored once elsewhere:
+        :func:`torchtpu_rl.checkpoint.save_checkpoint` with ``reference_path``)."""
         sd = {
             "algo": self.algo,
             "param_dtype": str(self.param_dtype).replace("torch.", ""),
@@ -673,11 +677,36 @@ class Learner:
             },
         }
         if self.ref_policy is not None:
-            sd["ref_policy"] = _to_cpu(self.ref_policy.state_dict())
+            sd["ref_policy_digest"] = self.reference_digest()
+            if include_reference:
+                sd["ref_policy"] = _to_cpu(self.ref_policy.state_dict())
         if self.critic is not None:
             sd["critic"] = _to_cpu(self.critic.state_dict())
             sd["critic_optimizer"] = self._critic_adam.state_dict()
         return sd
+
+    def reference_digest(self) -> Optional[str]:
+        """sha256 of the frozen reference policy's weights (names, dtypes, shapes, bytes); computed once."""
+        if self.ref_policy is None:
+            return None
+        if self._ref_digest is None:
+            h = hashlib.sha256()
+            for name, t in sorted(self.ref_policy.state_dict().items()):
+                t = t.detach().cpu().contiguous()
+                h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            self._ref_digest = h.hexdigest()
+        return self._ref_digest
+
+    def load_reference(self, state: dict, digest: Optional[str] = None) -> None:
+        """Install reference-policy weights (checked against ``digest`` when given)."""
+        if self.ref_policy is None:
+            return
+        with torch.no_grad():
+            self.ref_policy.load_state_dict(state)
+        self._ref_digest = None
+        if digest is not None and self.reference_digest() != digest:
+            raise ValueError("Learner.load_reference: the reference weights do not match the checkpoint's digest")
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("algo") != self.algo:
@@ -687,10 +716,16 @@ class Learner:
         if sd.get("param_dtype", "float32") != mine:
             raise ValueError(f"Learner.load_state_dict: checkpoint has param_dtype {sd.get('param_dtype')!r}, "
                              f"this learner {mine!r}")
+        if (self.ref_policy is not None and "ref_policy" not in sd and sd.get("ref_policy_digest") is not None
+                and sd["ref_policy_digest"] != self.reference_digest()):
+            raise ValueError("Learner.load_state_dict: the checkpoint holds its reference policy's digest only, and "
+                             "this learner's reference policy is another one; give the reference weights "
+                             "(load_reference) or build the learner from the run's initial policy")
         with torch.no_grad():
             self.policy.load_state_dict(sd["policy"])
             if self.ref_policy is not None and "ref_policy" in sd:
                 self.ref_policy.load_state_dict(sd["ref_policy"])
+                self._ref_digest = None
             if self.critic is not None:
                 if "critic" not in sd:
                     raise ValueError("Learner.load_state_dict: PPO checkpoint has no critic")

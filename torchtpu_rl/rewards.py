@@ -39,6 +39,7 @@ from typing import Callable, Optional, Sequence
 __all__ = [
     "BUILTINS",
     "RewardFunctionError",
+    "RewardLengthError",
     "RewardSet",
     "extract_answer",
     "length_penalty",
@@ -50,6 +51,10 @@ __all__ = [
 
 class RewardFunctionError(ValueError):
     """A reward function raised or returned something that is not one number-or-None per sample."""
+
+
+class RewardLengthError(RewardFunctionError):
+    """A reward function returned a different number of values than it was given samples."""
 
 
 # ------------------------------------------------------------------ answers
@@ -226,7 +231,7 @@ def _checked(name: str, vals, n: int) -> list:
     except TypeError:
         raise RewardFunctionError(f"reward {name!r} returned a {type(vals).__name__}, not a list") from None
     if len(vals) != n:
-        raise RewardFunctionError(f"reward {name!r} returned {len(vals)} values for {n} samples")
+        raise RewardLengthError(f"reward {name!r} returned {len(vals)} values for {n} samples")
     out = []
     for k, v in enumerate(vals):
         where = f" for sample {k} of {n}" if n > 1 else ""

@@ -32,6 +32,7 @@ starts a local head.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -68,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
                    help="auto: chat-message prompts use the tokenizer's template, text stays text; on: text "
                         "prompts become a user message too; off: refuse chat prompts")
-    g.add_argument("--max-prompt-tokens", type=int, default=512, help="the largest prompt bucket")
+    g.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="the largest prompt bucket (default: 512, or what the model's max_position_embeddings "
+                        "leaves after --max-new-tokens when that is less)")
     g.add_argument("--on-long-prompt", choices=("skip", "error"), default="skip",
                    help="prompts above --max-prompt-tokens: skip and count them, or stop")
     g = p.add_argument_group("rewards")
@@ -83,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--length-buffer", type=int, help="the built-in length_penalty's soft zone, in tokens")
     g.add_argument("--on-reward-error", choices=("stop", "continue"), default="stop",
                    help="a reward that raises or returns NaN: stop the run, or score the sample 0 and go on")
+    g.add_argument("--max-reward-error-fraction", type=float, default=0.5,
+                   help="with --on-reward-error continue: stop anyway when more than this fraction of a step's "
+                        "samples fail (a reward failing everywhere would train on zeros)")
     g = p.add_argument_group("algorithm and sampling")
     g.add_argument("--algo", choices=("grpo", "ppo"), default="grpo")
     g.add_argument("--steps", type=int, default=100, help="training steps of the whole run (a resume continues)")
@@ -124,7 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bfloat16: float32 weights travel to the rollout workers as bfloat16 (half the bytes)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("outputs")
-    g.add_argument("--out", default="runs/rl_train")
+    g.add_argument("--out", default="runs/rl_train", help="the run directory (a relative path is taken from the "
+                   "directory the command runs in)")
+    g.add_argument("--overwrite-out", action="store_true",
+                   help="a fresh run (no --resume) into an --out that holds an earlier run's checkpoints deletes "
+                        "them and its outputs; without it that is refused")
+    g.add_argument("--keep-checkpoints", type=int, default=2,
+                   help="keep the newest N checkpoints/step_N (older ones are deleted as new ones are written)")
     g.add_argument("--save-every", type=int, default=0,
                    help="checkpoint every N steps (0: every --save-interval-s; always at the end); a learner "
                         "that dies is restarted from the latest")
@@ -137,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--xla-cache", default=os.path.join("runs", "xla_cache"),
                    help="persistent XLA compilation cache shared by the actors ('' to disable)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("local Ray head (started when RAY_ADDRESS is not set)")
+    g.add_argument("--ray-num-cpus", type=int, default=None,
+                   help="logical CPUs of the local head (default: this machine's CPU count)")
+    g.add_argument("--ray-object-store-mb", type=int, default=None,
+                   help="object-store size of the local head in MB (default: twice the model's weight files, at "
+                        "least 200; weight syncs pass through it)")
     return p
 
 
@@ -215,11 +233,18 @@ def _check_args(args) -> None:
             raise TrainError(f"--{name} is required (on the command line or in --config)")
     if not args.reward and not args.reward_model:
         raise TrainError("give at least one --reward (or a --reward-model)")
-    for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "rollout_workers", "max_prompt_tokens",
-                 "ppo_epochs", "learner_processes"):
+    for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "rollout_workers", "ppo_epochs",
+                 "learner_processes", "keep_checkpoints"):
         v = getattr(args, name)
         if v is None or v < (0 if name == "steps" else 1):
             raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, not {v!r}")
+    # optional sizes: absent means derived, given means >= 1
+    for name in ("max_prompt_tokens", "mini_batch_size", "micro_batch_size", "micro_batch_tokens", "ray_num_cpus",
+                 "ray_object_store_mb"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, not {v!r}")
+    _check_floats(args)
     if args.lora_rank < 0:
         raise TrainError(f"--lora-rank must be >= 0, not {args.lora_rank}")
     if not args.rollout_is_threshold > 0:
@@ -232,7 +257,7 @@ def _check_args(args) -> None:
     if args.reward_weight and len(args.reward_weight) != len(args.reward or []):
         raise TrainError(f"{len(args.reward_weight)} --reward-weight for {len(args.reward or [])} --reward; give one "
                          "weight per reward, in order")
-    if args.temperature <= 0:
+    if not args.temperature > 0:
         raise TrainError("--temperature must be > 0 for training rollouts (evaluation is greedy)")
     if args.learner_processes > 1:
         n = args.learner_processes
@@ -245,25 +270,105 @@ def _check_args(args) -> None:
                              f"{n} (each learner process trains on whole prompt groups)")
 
 
+def _check_floats(args) -> None:
+    """Every float flag in its range, NaN and infinity refused (a NaN passes any ``<`` test)."""
+    def need(name, ok, what):
+        v = getattr(args, name)
+        if v is None or not math.isfinite(v) or not ok(v):
+            raise TrainError(f"--{name.replace('_', '-')} must be {what}, not {v!r}")
+
+    need("lr", lambda v: v > 0, "a finite number > 0")
+    need("kl_coef", lambda v: v >= 0, "a finite number >= 0 (0: no reference policy)")
+    need("grad_clip", lambda v: v >= 0, "a finite number >= 0 (0: no clipping)")
+    need("temperature", lambda v: v > 0, "a finite number > 0 for training rollouts (evaluation is greedy)")
+    need("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+    need("rollout_is_threshold", lambda v: v > 0, "a finite number > 0")
+    need("lora_alpha", lambda v: v > 0, "a finite number > 0")
+    need("save_interval_s", lambda v: v > 0, "a finite number of seconds > 0")
+    need("reward_model_weight", lambda v: True, "a finite number")
+    need("max_reward_error_fraction", lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
+    if args.top_k < 0:
+        raise TrainError(f"--top-k must be >= 0 (0: off), not {args.top_k}")
+    for i, w in enumerate(args.reward_weight or []):
+        if not math.isfinite(w):
+            raise TrainError(f"--reward-weight must be finite numbers: weight {i + 1} (of --reward "
+                             f"{(args.reward or ['?'] * (i + 1))[i]!r}) is {w}")
+
+
+def _is_checkpoint(d: str) -> bool:
+    """run.json is written last, but a copy or a cleanup can still leave it without its state.pt."""
+    return os.path.isfile(os.path.join(d, "run.json")) and os.path.isfile(os.path.join(d, "state.pt"))
+
+
+def _checkpoint_steps(out: str) -> list:
+    """The step numbers of ``out/checkpoints/step_N`` that hold a run.json (complete or not), ascending."""
+    ck = os.path.join(out, "checkpoints")
+    names = os.listdir(ck) if os.path.isdir(ck) else []
+    return sorted(int(n[5:]) for n in names if n.startswith("step_") and n[5:].isdigit()
+                  and os.path.isfile(os.path.join(ck, n, "run.json")))
+
+
 def _checkpoint_dir(path: str) -> str:
-    """A checkpoint directory (has run.json and state.pt), or a run directory's latest."""
+    """A checkpoint directory (has run.json and state.pt), or a run directory's latest complete one."""
     if os.path.isfile(os.path.join(path, "run.json")):
         return path
     ck = os.path.join(path, "checkpoints")
-    steps = []
-    if os.path.isdir(ck):
-        for name in os.listdir(ck):
-            if name.startswith("step_") and name[5:].isdigit() and os.path.isfile(os.path.join(ck, name, "run.json")):
-                steps.append(int(name[5:]))
+    steps = _checkpoint_steps(path)
     if not steps:
         raise TrainError(f"--resume {path!r}: not a checkpoint directory (no run.json) and no checkpoints/step_N "
                          "inside it")
-    return os.path.join(ck, f"step_{max(steps)}")
+    whole = [n for n in steps if _is_checkpoint(os.path.join(ck, f"step_{n}"))]
+    if not whole:
+        raise TrainError(f"--resume {path!r}: none of its checkpoints {['step_%d' % n for n in steps]} has a "
+                         "state.pt")
+    torn = [n for n in steps if n > whole[-1]]
+    if torn:
+        warnings.warn(f"--resume {path!r}: skipping newer checkpoint(s) {['step_%d' % n for n in torn]} without a "
+                      f"state.pt; resuming from step_{whole[-1]}", UserWarning, stacklevel=2)
+    return os.path.join(ck, f"step_{whole[-1]}")
+
+
+def _prepare_out(args) -> None:
+    """A fresh run (no --resume) must not leave an earlier run's checkpoints in --out, where a later --resume
+    of this directory would pick them: refused unless --overwrite-out, which deletes them and its outputs."""
+    if args.resume or not os.path.isdir(args.out):
+        return
+    steps = _checkpoint_steps(args.out)
+    if steps and not args.overwrite_out:
+        raise TrainError(f"--out {args.out!r} holds checkpoints of an earlier run (step_{steps[-1]} the newest): "
+                         f"continue it with --resume {args.out!r}, choose another --out, or pass --overwrite-out "
+                         "to delete them")
+    import shutil
+
+    for name in ("checkpoints", "hf"):
+        shutil.rmtree(os.path.join(args.out, name), ignore_errors=True)
+    for name in ("summary.json", "curves.png"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(args.out, name))
+
+
+def _prune_checkpoints(ckpts: str, keep: int) -> list:
+    """Delete all but the newest ``keep`` complete step_N directories (and any older torn ones)."""
+    import shutil
+
+    out = os.path.dirname(ckpts)
+    steps = _checkpoint_steps(out)
+    whole = [n for n in steps if _is_checkpoint(os.path.join(ckpts, f"step_{n}"))]
+    kept = set(whole[-keep:])
+    gone = [n for n in steps if n not in kept and (not whole or n < whole[-1])]
+    for n in gone:
+        shutil.rmtree(os.path.join(ckpts, f"step_{n}"), ignore_errors=True)
+    return gone
 
 
 def _check_resume(ckpt: str, args, fingerprint: dict) -> dict:
-    with open(os.path.join(ckpt, "run.json")) as f:
-        meta = json.load(f)
+    if not os.path.isfile(os.path.join(ckpt, "state.pt")):
+        raise TrainError(f"--resume {ckpt!r}: state.pt is missing")
+    try:
+        with open(os.path.join(ckpt, "run.json")) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise TrainError(f"--resume {ckpt!r}: run.json is not valid JSON ({e})") from e
     if meta.get("format") != RUN_FORMAT:
         raise TrainError(f"--resume {ckpt!r}: run.json has format {meta.get('format')!r}, expected {RUN_FORMAT!r}")
     if meta["algo"] != args.algo:
@@ -282,12 +387,32 @@ def _check_resume(ckpt: str, args, fingerprint: dict) -> dict:
     if meta.get("seed") != args.seed:
         raise TrainError(f"refusing to resume from {ckpt!r}: it was made with --seed {meta.get('seed')}, this run has "
                          f"--seed {args.seed} (rollout seeds and the data order follow the seed)")
-    if not os.path.isfile(os.path.join(ckpt, "state.pt")):
-        raise TrainError(f"--resume {ckpt!r}: state.pt is missing")
     if meta.get("data") != os.path.abspath(args.data):
         warnings.warn(f"resuming from {ckpt!r} (made with --data {meta.get('data')!r}) on --data {args.data!r}: the "
                       "data cursor continues at the same position", UserWarning, stacklevel=2)
     return meta
+
+
+DEFAULT_MAX_PROMPT_TOKENS = 512
+
+
+def _derive_from_model(args, cfg, weight_bytes: int) -> None:
+    """The defaults that depend on the model: the prompt budget (what the context leaves after the response)
+    and the local head's object store (weight syncs pass through it). A value given that does not fit the
+    model stays an error."""
+    top = getattr(cfg, "max_position_embeddings", None) or 4096
+    if args.max_new_tokens >= top:
+        raise TrainError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
+                         f"max_position_embeddings {top}")
+    if args.max_prompt_tokens is None:
+        args.max_prompt_tokens = min(DEFAULT_MAX_PROMPT_TOKENS, top - args.max_new_tokens)
+    elif args.max_prompt_tokens + args.max_new_tokens > top:
+        raise TrainError(f"--max-prompt-tokens {args.max_prompt_tokens} + --max-new-tokens {args.max_new_tokens} "
+                         f"exceed the model's max_position_embeddings {top}")
+    if args.ray_object_store_mb is None:
+        args.ray_object_store_mb = max(200, -(-2 * weight_bytes // 2**20))
+    if args.ray_num_cpus is None:
+        args.ray_num_cpus = os.cpu_count() or 2
 
 
 def _lora_spec(args, cfg):
@@ -358,8 +483,7 @@ class _Outputs:
     def _truncate(path: str, step: int) -> None:
         if not os.path.exists(path):
             return
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows = _read_jsonl(path)  # a torn last line (a run killed mid-write) is dropped here
         with open(path, "w") as f:
             for r in rows:
                 if r.get("step", 0) <= step:
@@ -410,10 +534,22 @@ class _Outputs:
 
 
 def _read_jsonl(path: str) -> list:
+    """The rows of a jsonl file; a torn last line (the run was killed while appending it) is left out with a
+    warning, a bad line before it is an error naming the file and the line."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [(i + 1, line) for i, line in enumerate(f) if line.strip()]
+    rows = []
+    for k, (no, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if k < len(lines) - 1:
+                raise TrainError(f"{path!r} line {no} is not valid JSON ({e}); only a torn last line is "
+                                 "recovered from") from e
+            warnings.warn(f"{path!r}: dropping its torn last line {no} ({line[:60]!r}...)", UserWarning, stacklevel=2)
+    return rows
 
 
 def plot_curves(out: str, title: str = "") -> str:
@@ -467,7 +603,17 @@ def _accuracy(e: dict, reward_name: Optional[str]) -> Optional[float]:
 
 # ------------------------------------------------------------------ the run
 def _setup(args) -> dict:
-    """Everything that is checked before any actor starts: model, tokenizer, data, rewards, resume."""
+    """Everything that is checked before any actor starts: model, tokenizer, data, rewards, resume. A
+    problem with any of them is a :class:`TrainError` (exit 2) naming it."""
+    try:
+        return _check_inputs(args)
+    except TrainError:
+        raise
+    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
+        raise TrainError(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)) from e
+
+
+def _check_inputs(args) -> dict:
     from torchtpu.bucketing import BucketPolicy
 
     from . import hf
@@ -476,7 +622,10 @@ def _setup(args) -> dict:
     from .rollout import SamplingParams
 
     _check_args(args)
+    args.out = os.path.abspath(args.out)  # the actors' working directory is not this one
     cfg = hf.causal_lm_config(args.model)  # refuses a directory that is not a causal LM, before any actor starts
+    weight_files = hf.check_weights(args.model, "--model")
+    _derive_from_model(args, cfg, sum(os.path.getsize(os.path.join(args.model, f)) for f in weight_files))
     lora = _lora_spec(args, cfg)
     fingerprint = hf.model_fingerprint(args.model)
     tokenizer = hf.load_tokenizer(args.model)
@@ -485,8 +634,9 @@ def _setup(args) -> dict:
         hf.reward_model_config(args.reward_model)
     ckpt = meta = None
     if args.resume:
-        ckpt = _checkpoint_dir(args.resume)
+        ckpt = os.path.abspath(_checkpoint_dir(args.resume))
         meta = _check_resume(ckpt, args, fingerprint)
+    _prepare_out(args)
     chat = {"auto": None, "on": True, "off": False}[args.chat_template]
     dataset = load_prompts(args.data, tokenizer, args.prompt_key, max_prompt_tokens=args.max_prompt_tokens,
                            on_long_prompt=args.on_long_prompt, chat_template=chat, seed=args.seed)
@@ -504,10 +654,6 @@ def _setup(args) -> dict:
     stops.update(gen_eos)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, stop_token_ids=tuple(sorted(stops)))
-    top = getattr(cfg, "max_position_embeddings", None) or 4096
-    if args.max_prompt_tokens + args.max_new_tokens > top:
-        raise TrainError(f"--max-prompt-tokens {args.max_prompt_tokens} + --max-new-tokens {args.max_new_tokens} "
-                         f"exceed the model's max_position_embeddings {top}")
     engine_kwargs = {"prompt_buckets": BucketPolicy.pow2(min(16, args.max_prompt_tokens), args.max_prompt_tokens,
                                                          name="prompt"),
                      "response_buckets": BucketPolicy.pow2(min(8, args.max_new_tokens), args.max_new_tokens,
@@ -525,7 +671,8 @@ def _setup(args) -> dict:
 def _save(driver, topo, args, fingerprint, out_ckpts: str) -> str:
     d = os.path.join(out_ckpts, f"step_{driver.step_idx}")
     os.makedirs(d, exist_ok=True)
-    driver.save_checkpoint(os.path.join(d, "state.pt"))  # also the driver's last_checkpoint (learner restarts)
+    # also the driver's last_checkpoint (learner restarts); the frozen reference policy is stored once
+    driver.save_checkpoint(os.path.join(d, "state.pt"), os.path.join(out_ckpts, "reference.pt"))
     meta = {"format": RUN_FORMAT, "step": driver.step_idx, "policy_version": driver.learner_version,
             "algo": args.algo, "model": os.path.abspath(args.model), "model_fingerprint": fingerprint,
             "dtype": args.dtype, "seed": args.seed, "data": os.path.abspath(args.data),
@@ -534,6 +681,7 @@ def _save(driver, topo, args, fingerprint, out_ckpts: str) -> str:
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=2)
     os.replace(tmp, os.path.join(d, "run.json"))  # run.json last: its presence marks a whole checkpoint
+    _prune_checkpoints(out_ckpts, args.keep_checkpoints)
     return d
 
 
@@ -543,12 +691,7 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
     if args.xla_cache:
         os.environ.setdefault("TORCHTPU_CACHE_DIR", os.path.abspath(args.xla_cache))
-    try:
-        s = _setup(args)
-    except TrainError:
-        raise
-    except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
-        raise TrainError(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)) from e
+    s = _setup(args)
     import ray
 
     from . import hf
@@ -560,7 +703,7 @@ def main(argv=None) -> dict:
     os.makedirs(args.out, exist_ok=True)
     tokenizer = s["tokenizer"]
     policy_fn = functools.partial(hf.load_policy, os.path.abspath(args.model), dtype=args.dtype, device="cpu")
-    with ray_session():
+    with ray_session(num_cpus=args.ray_num_cpus, object_store_memory=args.ray_object_store_mb * 2**20):
         ray_address = ray.get_runtime_context().gcs_address
         topo = make_topology(policy_fn, tokenizer.pad_token_id, num_rollout_workers=args.rollout_workers,
                              algo=args.algo, learner_kwargs=s["learner_kwargs"], engine_kwargs=s["engine_kwargs"],
@@ -579,7 +722,8 @@ def main(argv=None) -> dict:
             driver = RLDriver(topo, s["dataset"], reward_set, sampling=s["sampling"],
                               prompts_per_step=args.prompts_per_step, group_size=args.group_size, mode=args.mode,
                               max_staleness=args.max_staleness, transport=args.transport, seed=args.seed,
-                              on_reward_error=args.on_reward_error, tokenizer=tokenizer)
+                              on_reward_error=args.on_reward_error,
+                              max_reward_error_fraction=args.max_reward_error_fraction, tokenizer=tokenizer)
             resume_step = None
             if s["ckpt"]:
                 driver.load_checkpoint(os.path.join(s["ckpt"], "state.pt"))

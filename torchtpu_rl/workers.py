@@ -323,9 +323,10 @@ class LearnerWorker:
         return hf.save_hf(self.policy, tokenizer, out_dir)
 
     # ------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str, driver_state: Optional[dict] = None) -> str:
+    def save_checkpoint(self, path: str, driver_state: Optional[dict] = None,
+                        reference_path: Optional[str] = None) -> str:
         self._check_restored("save_checkpoint")
-        return _ckpt.save_checkpoint(path, self.learner, driver_state)
+        return _ckpt.save_checkpoint(path, self.learner, driver_state, reference_path)
 
     def load_checkpoint(self, path: str) -> Optional[dict]:
         state = _ckpt.load_checkpoint(path, self.learner)

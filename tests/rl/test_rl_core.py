@@ -355,3 +355,41 @@ def test_ppo_step_and_learner_state_dict_roundtrip(engine):
         torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=0, atol=0)
     # the value head learned something: values moved off their zero init
     assert a.critic.value_head.weight.detach().abs().sum().item() > 0
+
+
+def test_checkpoints_store_the_frozen_reference_once(engine, tmp_path):
+    """With a reference file, each checkpoint holds the reference policy's digest, not its weights; the file is
+    written once. A learner built from the run's initial policy loads without reading it; one built from other
+    weights gets the stored reference (its KL then matches); a checkpoint without the file is refused."""
+    import os
+
+    from torchtpu_rl.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+
+    b, rewards = _grpo_batch(engine, seed=5)
+    kw = dict(algo="grpo", group_size=2, lr=5e-3, kl_coef=0.1, device="tpu", compile=False)
+    a = Learner(tiny_policy(), **kw)
+    a.train_step(b, rewards)
+    ref = tmp_path / "reference.pt"
+    save_checkpoint(tmp_path / "s1.pt", a, {"step": 1}, reference_path=ref)
+    written = ref.stat().st_mtime_ns
+    a.train_step(b, rewards)
+    save_checkpoint(tmp_path / "s2.pt", a, {"step": 2}, reference_path=ref)
+    assert ref.stat().st_mtime_ns == written  # not stored again
+    state = read_checkpoint(tmp_path / "s2.pt")
+    assert "ref_policy" not in state["learner"] and state["reference"] == "reference.pt"
+    save_checkpoint(tmp_path / "whole.pt", a, {"step": 2})  # no reference file: the weights inside
+    assert os.path.getsize(tmp_path / "whole.pt") - os.path.getsize(tmp_path / "s2.pt") > 0.9 * os.path.getsize(ref)
+    want = a.train_step(b, rewards)
+    same = Learner(tiny_policy(), **kw)
+    load_checkpoint(tmp_path / "s2.pt", same)
+    other = Learner(tiny_policy(seed=9), **kw)  # another reference: the stored one is loaded
+    load_checkpoint(tmp_path / "s2.pt", other)
+    assert other.reference_digest() == a.reference_digest()
+    for learner in (same, other):
+        got = learner.train_step(b, rewards)
+        assert got["kl"] == pytest.approx(want["kl"], rel=1e-5, abs=1e-7)
+    ref.unlink()
+    with pytest.raises(FileNotFoundError, match="reference policy file .*reference.pt' is missing"):
+        load_checkpoint(tmp_path / "s2.pt", Learner(tiny_policy(seed=9), **kw))
+    with pytest.raises(ValueError, match="holds its reference policy's digest only"):
+        Learner(tiny_policy(seed=9), **kw).load_state_dict(state["learner"])

@@ -213,3 +213,54 @@ def test_a_bad_reward_is_named(bad, message):
     rs = RewardSet([rewards.math_answer, ("bad", bad)])
     with pytest.raises(RewardFunctionError, match=message):
         rs(["p"] * 3, ["1", "2", "3"], [{"answer": "1"}] * 3)
+
+
+# ------------------------------------------------------------------ scoring a step (torchtpu_rl.scoring)
+def _answer_reward(prompts, completions, answer, **_):
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+
+def test_a_reward_returning_the_wrong_length_stops_the_step():
+    """A reward returning fewer values than samples is the function's contract broken: the step stops naming
+    it (it used to be re-scored sample by sample, where one value per call looked right)."""
+    from torchtpu_rl.scoring import RewardError, Scorer
+
+    def short(prompts, completions, **_):
+        return [0.5] * max(1, len(prompts) - 1)
+
+    prompts, completions, metas = ["a", "b", "c"], ["1", "2", "3"], [{"answer": "1"}] * 3
+    for reward in (RewardSet([short]), lambda ps, cs, ms: short(ps, cs)):
+        scorer = Scorer(reward, on_error="continue")
+        with pytest.raises(RewardError, match=r"returned 2 values for 3 samples in step 4; a reward must return "
+                                              r"one value per sample"):
+            scorer.score(prompts, completions, metas, step=4)
+
+
+def test_on_error_continue_has_a_ceiling():
+    """on_error='continue' scores a failing sample with the default, until more than max_error_fraction of a
+    step's samples fail: a reward failing everywhere must not train on zeros."""
+    from torchtpu_rl.scoring import RewardError, Scorer
+
+    def picky(prompts, completions, **_):
+        if any(c == "bad" for c in completions):
+            raise ValueError("cannot parse 'bad'")
+        return [1.0] * len(prompts)
+
+    events = []
+    scorer = Scorer(RewardSet([picky]), on_error="continue", default=-1.0, max_error_fraction=0.5, events=events)
+    with pytest.warns(RuntimeWarning, match=r"reward for sample 1 RewardFunctionError: reward 'picky' raised "
+                                            r"ValueError: cannot parse 'bad'.*1 bad sample\(s\) in step 0"):
+        vals, n_bad, _ = scorer.score(["p"] * 4, ["ok", "bad", "ok", "ok"], [{}] * 4, step=0)
+    assert vals == [1.0, -1.0, 1.0, 1.0] and n_bad == 1 and events[0]["count"] == 1
+    with pytest.raises(RewardError, match=r"3 of 4 samples failed, more than max_error_fraction 0.5 allows"):
+        scorer.score(["p"] * 4, ["bad", "bad", "ok", "bad"], [{}] * 4, step=1)
+    stop = Scorer(RewardSet([picky]), on_error="stop")
+    with pytest.raises(RewardError, match=r"reward for sample 1 .*cannot parse 'bad'"):
+        stop.score(["p"] * 2, ["ok", "bad"], [{}] * 2, step=0)
+    with pytest.raises(ValueError, match=r"max_error_fraction must be in \[0, 1\], not 2"):
+        Scorer(picky, max_error_fraction=2)
+    # a reward that works: one call, the RewardSet's per-reward means come back
+    rs = RewardSet([_answer_reward])
+    vals, n_bad, parts = Scorer(rs, metrics_of=rs).score(["p", "q"], ["1", "2"], [{"answer": "1"}, {"answer": "3"}],
+                                                         step=0)
+    assert vals == [1.0, 0.0] and n_bad == 0 and parts["reward/_answer_reward"] == 0.5

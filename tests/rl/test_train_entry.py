@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -250,3 +251,128 @@ def test_example_builds_a_model_directory_with_a_warm_up(tmp_path):
     assert len(ds) == 8 and ds.texts[0].startswith("<|user|>") and ds.texts[0].endswith("<|assistant|>")
     rl_text_arith.main(["--data-only", "--out", str(tmp_path / "d"), "--train-size", "10", "--eval-size", "3"])
     assert len(_read(tmp_path / "d" / "data" / "eval.jsonl")) == 3
+
+
+# ------------------------------------------------------------------ defects found running it as a new user
+def _copy_model(src, dst, skip=()):
+    import shutil
+
+    dst.mkdir()
+    for f in os.listdir(src):
+        if f not in skip:
+            shutil.copy(src / f, dst / f)
+    return dst
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "-1"], "--lr must be a finite number > 0, not -1.0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0, not nan"),
+    (["--kl-coef", "-1"], "--kl-coef must be a finite number >= 0"),
+    (["--mini-batch-size", "0"], "--mini-batch-size must be a positive integer, not 0"),
+    (["--micro-batch-tokens", "0"], "--micro-batch-tokens must be a positive integer, not 0"),
+    (["--reward-weight", "1", "--reward-weight", "nan"], "--reward-weight must be finite numbers: weight 2 "
+                                                         "\\(of --reward 'format'\\) is nan"),
+    (["--grad-clip", "-1"], "--grad-clip must be a finite number >= 0"),
+    (["--top-p", "0"], r"--top-p must be in \(0, 1\]"),
+    (["--max-reward-error-fraction", "1.5"], r"--max-reward-error-fraction must be a fraction in \[0, 1\]"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints must be a positive integer"),
+])
+def test_bad_numbers_exit_2_naming_the_flag_before_ray_starts(run_inputs, tmp_path, capsys, flags, message):
+    argv = ["--config", str(run_inputs / "run.yaml"), "--out", str(tmp_path / "o")] + flags
+    assert train.cli(argv) == 2  # before Ray starts: the checks come first
+    assert re.search(message, capsys.readouterr().err)
+    with pytest.raises(train.TrainError, match=message):
+        train._setup(train.parse_args(argv))
+
+
+def test_model_directory_defects_are_named_before_ray_starts(run_inputs, tmp_path):
+    cfg = ["--config", str(run_inputs / "run.yaml"), "--out", str(tmp_path / "o")]
+    torn = _copy_model(run_inputs / "model", tmp_path / "torn")
+    w = torn / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])  # a copy cut short
+    with pytest.raises(train.TrainError, match=r"weight file .*torn/model.safetensors' is torn or unreadable"):
+        train._setup(train.parse_args(cfg + ["--model", str(torn)]))
+    bare = _copy_model(run_inputs / "model", tmp_path / "bare",
+                       skip=("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"))
+    with pytest.raises(train.TrainError, match=r"bare' has no tokenizer files"):
+        train._setup(train.parse_args(cfg + ["--model", str(bare)]))
+
+
+def test_defaults_derived_from_the_model(run_inputs, tmp_path):
+    """The model's context is 128 positions: the default prompt budget is what --max-new-tokens leaves (512
+    would be refused); an explicit budget that does not fit stays an error. The local head's object store
+    defaults to twice the weights (at least 200 MB) and its CPUs to this machine's."""
+    base = ["--model", str(run_inputs / "model"), "--data", str(run_inputs / "train.jsonl"), "--prompt-key",
+            "messages", "--reward", "math_answer", "--max-new-tokens", "8", "--out", str(tmp_path / "o")]
+    args = train.parse_args(base)
+    s = train._setup(args)
+    assert args.max_prompt_tokens == 120 and s["engine_kwargs"]["prompt_buckets"].buckets[-1] == 120
+    assert args.ray_object_store_mb == 200 and args.ray_num_cpus == os.cpu_count()
+    args = train.parse_args(base + ["--ray-num-cpus", "3", "--ray-object-store-mb", "300"])
+    train._setup(args)
+    assert (args.ray_num_cpus, args.ray_object_store_mb) == (3, 300)
+    with pytest.raises(train.TrainError, match="--max-prompt-tokens 512 \\+ --max-new-tokens 8 exceed the model's "
+                                               "max_position_embeddings 128"):
+        train._setup(train.parse_args(base + ["--max-prompt-tokens", "512"]))
+    with pytest.raises(train.TrainError, match="--max-new-tokens 128 leaves no room for a prompt"):
+        train._setup(train.parse_args(base + ["--max-new-tokens", "128"]))
+
+
+def _fake_checkpoint(out, step, state=True):
+    d = out / "checkpoints" / f"step_{step}"
+    d.mkdir(parents=True)
+    (d / "run.json").write_text(json.dumps({"format": train.RUN_FORMAT, "step": step}))
+    if state:
+        (d / "state.pt").write_bytes(b"x")
+    return d
+
+
+def test_relative_out_is_taken_from_the_working_directory(run_inputs, tmp_path, monkeypatch):
+    """--out is made absolute before any actor sees it (a learner actor runs in another directory)."""
+    monkeypatch.chdir(tmp_path)
+    args = train.parse_args(["--config", str(run_inputs / "run.yaml"), "--out", "runs/rel"])
+    train._setup(args)
+    assert args.out == str(tmp_path / "runs" / "rel")
+
+
+def test_a_fresh_run_into_an_earlier_runs_out_is_refused_or_overwritten(run_inputs, tmp_path):
+    out = tmp_path / "o"
+    _fake_checkpoint(out, 3)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    cfg = ["--config", str(run_inputs / "run.yaml"), "--out", str(out)]
+    with pytest.raises(train.TrainError, match=r"holds checkpoints of an earlier run \(step_3 the newest\): continue "
+                                               r"it with --resume .*or pass --overwrite-out"):
+        train._setup(train.parse_args(cfg))
+    assert (out / "checkpoints" / "step_3" / "run.json").exists()
+    train._setup(train.parse_args(cfg + ["--overwrite-out"]))
+    assert not (out / "checkpoints").exists()
+
+
+def test_resume_skips_checkpoints_without_state_and_prunes_keep_the_newest(tmp_path):
+    out = tmp_path / "o"
+    for s in (1, 2):
+        _fake_checkpoint(out, s)
+    _fake_checkpoint(out, 3, state=False)  # run.json without its state.pt (a copy cut short, a cleanup)
+    with pytest.warns(UserWarning, match=r"skipping newer checkpoint\(s\) \['step_3'\] without a state.pt"):
+        assert train._checkpoint_dir(str(out)) == str(out / "checkpoints" / "step_2")
+    _fake_checkpoint(out, 4)
+    (out / "checkpoints" / "reference.pt").write_bytes(b"r")
+    assert train._prune_checkpoints(str(out / "checkpoints"), keep=2) == [1, 3]
+    assert sorted(os.listdir(out / "checkpoints")) == ["reference.pt", "step_2", "step_4"]
+    empty = tmp_path / "e"
+    _fake_checkpoint(empty, 1, state=False)
+    with pytest.raises(train.TrainError, match=r"none of its checkpoints \['step_1'\] has a state.pt"):
+        train._checkpoint_dir(str(empty))
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
+    """A run killed while appending to metrics.jsonl leaves half a line: resume drops it (with a warning); a
+    bad line before the last is an error naming the file and line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "reward_mean": 0.5}\n{"step": 2, "reward_mean": 0.6}\n{"step": 3, "rew')
+    with pytest.warns(UserWarning, match="dropping its torn last line 3"):
+        train._Outputs._truncate(str(path), 2)
+    assert _read(path) == [{"step": 1, "reward_mean": 0.5}, {"step": 2, "reward_mean": 0.6}]
+    path.write_text('{"step": 1}\n{"step": \n{"step": 3}\n')
+    with pytest.raises(train.TrainError, match=r"metrics.jsonl' line 2 is not valid JSON"):
+        train._read_jsonl(str(path))
