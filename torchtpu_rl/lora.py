@@ -7,6 +7,14 @@ adapters' ``lora_A`` / ``lora_B`` trained); a weight sync sends the adapter tens
 quantization stay as they are) and merges each update into it: ``W = W_base + alpha / rank * B @ A``
 from a copy of the base weights of the target layers it took at start (:class:`AdapterMerger`).
 Both sides load the same base checkpoint, which LoRA training never changes.
+
+``modules_to_save`` (peft's name) trains whole modules beside the adapters, e.g. the output layer
+``lm_head``; a sync sends their full weights, which the rollout worker installs as they are. The
+adapters of the trunk alone cannot move a model whose output layer is what limits it: a small or freshly
+initialized model (logits ~0.1 in scale at init) keeps its output distribution whatever the trunk does
+(measured in tests/rl/test_lora.py: training every linear layer but the output layer in full learns no
+faster than LoRA there), where training ``lm_head`` too learns as full fine-tuning does. With tied input and
+output embeddings the trained output layer is untied from the (frozen) input embeddings on both sides.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ class LoraSpec:
     rank: int = 8
     alpha: float = 16.0
     targets: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    modules_to_save: Sequence[str] = ()
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or self.rank < 1:
@@ -40,6 +49,9 @@ class LoraSpec:
         if not self.targets:
             raise ValueError("LoRA targets: give at least one module name")
         object.__setattr__(self, "targets", tuple(self.targets))
+        if isinstance(self.modules_to_save, str):
+            object.__setattr__(self, "modules_to_save", (self.modules_to_save,))
+        object.__setattr__(self, "modules_to_save", tuple(self.modules_to_save))
 
     @property
     def scale(self) -> float:
@@ -64,15 +76,37 @@ class LoraSpec:
                              f"layers are named {kinds} (e.g. {linear[0] if linear else 'none'})")
         return chosen
 
+    def saved_modules(self, model: nn.Module) -> list:
+        """Full names of the modules ``modules_to_save`` selects (trained in full); one that matches no
+        module of ``model`` is an error naming it."""
+        names = [n for n, _ in model.named_modules() if n]
+        out = []
+        for t in self.modules_to_save:
+            hits = [n for n in names if n == t or n.endswith("." + t)]
+            if not hits:
+                raise ValueError(f"LoRA modules_to_save {t!r} matches no module of {type(model).__name__} (e.g. "
+                                 f"{[n for n in names if '.' not in n][:8]})")
+            out += [n for n in hits if n not in out]
+        overlap = sorted(set(out) & set(self.target_layers(model)))
+        if overlap:
+            raise ValueError(f"LoRA: {overlap} are both adapter targets and modules_to_save; choose one")
+        return out
+
     def apply(self, model: nn.Module) -> nn.Module:
-        """``model`` as a peft LoRA model (base weights frozen, adapters trainable; ``B`` starts at 0, so
-        the output is the base model's)."""
+        """``model`` as a peft LoRA model (base weights frozen, adapters and ``modules_to_save``
+        trainable; ``B`` starts at 0, so the output is the base model's)."""
+        import warnings
+
         from peft import LoraConfig, get_peft_model
 
         layers = self.target_layers(model)
+        saved = self.saved_modules(model)
         config = LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=layers, lora_dropout=0.0,
-                            bias="none")
-        return get_peft_model(model, config)
+                            bias="none", modules_to_save=saved or None)
+        with warnings.catch_warnings():
+            # a tied output layer in modules_to_save: its trained copy is untied on purpose (module doc)
+            warnings.filterwarnings("ignore", message=".*tied.*", category=UserWarning)
+            return get_peft_model(model, config)
 
 
 def is_lora_model(model: nn.Module) -> bool:
@@ -101,7 +135,15 @@ def save_lora_hf(model: nn.Module, tokenizer, out_dir) -> str:
 
     host = copy.deepcopy(model).to("cpu")
     host.save_pretrained(os.path.join(os.fspath(out_dir), "adapter"), safe_serialization=True)
-    return hf.save_hf(host.merge_and_unload(), tokenizer, out_dir)
+    merged = host.merge_and_unload()
+    if getattr(merged.config, "tie_word_embeddings", False) and _output_trained(host):
+        merged.config.tie_word_embeddings = False  # the trained output layer is no longer the input embedding
+    return hf.save_hf(merged, tokenizer, out_dir)
+
+
+def _output_trained(peft_model) -> bool:
+    saved = getattr(peft_model, "modules_to_save", None) or set()
+    return any(n == "lm_head" or n.endswith(".lm_head") for n in saved)
 
 
 class AdapterMerger:
@@ -115,6 +157,17 @@ class AdapterMerger:
         self.layers = spec.target_layers(model)
         with torch.no_grad():
             self.base = {n: model.get_submodule(n).weight.detach().clone() for n in self.layers}
+            # modules_to_save: their parameters arrive whole; a tied one gets its own tensor, as the
+            # learner's trained copy is untied from the frozen input embeddings
+            shared = {id(p) for n, p in model.named_parameters(remove_duplicate=False)
+                      if not any(n.startswith(m + ".") for m in spec.saved_modules(model))}
+            self.full = {}
+            for m in spec.saved_modules(model):
+                mod = model.get_submodule(m)
+                for pn, p in list(mod.named_parameters(recurse=False)):
+                    if id(p) in shared:
+                        setattr(mod, pn, nn.Parameter(p.detach().clone(), requires_grad=False))
+                    self.full[f"{m}.{pn}"] = getattr(mod, pn)
 
     def reference(self) -> dict:
         """Meta tensors of the update's names, dtypes and shapes (what a sync must send)."""
@@ -124,6 +177,8 @@ class AdapterMerger:
                                                                  device="meta")
             out[f"{self.PREFIX}{n}.lora_B.weight"] = torch.empty((w.shape[0], self.spec.rank), dtype=w.dtype,
                                                                  device="meta")
+        for n, p in self.full.items():
+            out[f"{self.PREFIX}{n}"] = torch.empty(p.shape, dtype=p.dtype, device="meta")
         return out
 
     def merged_weights(self, adapters: dict) -> dict:
@@ -137,6 +192,8 @@ class AdapterMerger:
                 a = adapters[f"{self.PREFIX}{n}.lora_A.weight"].to(w.device, torch.float32)
                 b = adapters[f"{self.PREFIX}{n}.lora_B.weight"].to(w.device, torch.float32)
                 out[f"{n}.weight"] = (w.float() + self.spec.scale * (b @ a)).to(w.dtype)
+        for n, p in self.full.items():
+            out[n] = adapters[f"{self.PREFIX}{n}"].to(p.device, p.dtype)
         return out
 
     def unknown(self, adapters: dict) -> Optional[str]:

@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scale numerator (updates scaled by alpha/rank)")
     g.add_argument("--lora-targets", action="append", default=None,
                    help="module names the adapters go on (repeatable or comma-separated; default all-linear)")
+    g.add_argument("--lora-modules-to-save", action="append", default=None,
+                   help="modules trained in full beside the adapters (peft's modules_to_save; repeatable or "
+                        "comma-separated), e.g. lm_head: a small or freshly initialized model learns through its "
+                        "output layer, which the adapters leave frozen")
     g = p.add_argument_group("topology")
     g.add_argument("--rollout-workers", type=int, default=1)
     g.add_argument("--learner-processes", type=int, default=1,
@@ -424,11 +428,14 @@ def _lora_spec(args, cfg):
 
     from .lora import LoraSpec
 
-    targets = [t.strip() for item in (args.lora_targets or ["all-linear"]) for t in item.split(",") if t.strip()]
+    def names(items):
+        return tuple(t.strip() for item in items for t in item.split(",") if t.strip())
+
     try:
-        spec = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha, targets=tuple(targets))
+        spec = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha, targets=names(args.lora_targets or ["all-linear"]),
+                        modules_to_save=names(args.lora_modules_to_save or []))
         with torch.device("meta"):
-            spec.target_layers(AutoModelForCausalLM.from_config(cfg))
+            spec.saved_modules(AutoModelForCausalLM.from_config(cfg))  # checks the targets too
     except ValueError as e:
         raise TrainError(str(e)) from e
     return spec

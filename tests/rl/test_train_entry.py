@@ -116,6 +116,12 @@ def test_train_runs_as_a_ray_job_and_writes_every_output(job_run, ray_driver, ru
         meta = json.loads((out / "checkpoints" / f"step_{s}" / "run.json").read_text())
         assert meta["step"] == s and meta["algo"] == "grpo"
         assert (out / "checkpoints" / f"step_{s}" / "state.pt").exists()
+    # the newest 2 (--keep-checkpoints) of step_0, 1, 2; the frozen reference policy stored once beside them
+    assert sorted(os.listdir(out / "checkpoints")) == ["reference.pt", "step_1", "step_2"]
+    from torchtpu_rl.checkpoint import read_checkpoint
+
+    state = read_checkpoint(out / "checkpoints" / "step_2" / "state.pt")
+    assert "ref_policy" not in state["learner"] and state["reference"] == "../reference.pt"
     assert meta["config"]["lr"] == 0.003 and meta["config"]["group_size"] == 4  # flag over file, file over default
     assert "rl:" not in log  # --no-progress
 
@@ -140,16 +146,18 @@ def test_hf_output_is_the_trained_policy_for_plain_transformers(job_run, run_inp
     assert (got - before).abs().max() > 1e-4
 
 
-def test_resume_continues_the_run_exactly(job_run, run_inputs, ray_driver, xla_cache):
+def test_resume_continues_the_run_exactly(job_run, run_inputs, ray_driver, xla_cache, monkeypatch):
     """Resume from the job's step-1 checkpoint in this process: step 2 has the uninterrupted run's rewards and
     losses; rows of later steps already in --out are dropped and written again. A reward model (a Hugging Face
-    sequence classifier in a reward actor) joins the rewards with weight 0: scored, logged, not counted."""
+    sequence classifier in a reward actor) joins the rewards with weight 0: scored, logged, not counted.
+    --out is relative: the learner actor (another working directory) writes its state.pt under it."""
     out, _ = job_run
     out2 = run_inputs / "resumed"
     out2.mkdir()
+    monkeypatch.chdir(run_inputs)
     (out2 / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _read(out / "metrics.jsonl")))
     summary = train.main(["--config", str(run_inputs / "run.yaml"), "--steps", str(STEPS), "--lr", "0.003",
-                          "--resume", str(out / "checkpoints" / "step_1"), "--out", str(out2), "--no-progress",
+                          "--resume", str(out / "checkpoints" / "step_1"), "--out", "resumed", "--no-progress",
                           "--xla-cache", xla_cache, "--eval-data", "",  # "" turns the file's eval off
                           "--reward-model", str(run_inputs / "reward_model"), "--reward-model-weight", "0"])
     assert summary["resumed_from"].endswith("step_1") and summary["train_steps_this_run"] == 1
@@ -162,6 +170,7 @@ def test_resume_continues_the_run_exactly(job_run, run_inputs, ray_driver, xla_c
     assert again[1]["kl"] == pytest.approx(first[1]["kl"], abs=1e-6)
     assert isinstance(again[1]["reward/reward_model"], float) and "reward/reward_model" not in first[1]
     assert json.loads((out2 / "checkpoints" / "step_2" / "run.json").read_text())["policy_version"] == 2
+    assert (out2 / "checkpoints" / "step_2" / "state.pt").is_file()
 
 
 def test_resume_of_another_algorithm_or_model_is_refused(job_run, run_inputs, capsys):
