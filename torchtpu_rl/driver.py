@@ -45,15 +45,14 @@ import collections
 import contextlib
 import dataclasses
 import os
-import shutil
 import time
 import uuid
 from typing import Callable, Optional
 
 import numpy as np
 
-from . import checkpoint as _ckpt
 from . import weight_sync as ws
+from .checkpoint_policy import CheckpointPolicy, remove_checkpoint
 from .data import PromptDataset
 from .scoring import RewardError, Scorer
 from .topology import Topology
@@ -184,6 +183,7 @@ class RLDriver:
             raise ValueError(f"RLDriver: checkpoint_every must be a positive int or None, not {checkpoint_every!r}")
         if not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
             raise ValueError(f"RLDriver: keep_checkpoints must be a positive int, not {keep_checkpoints!r}")
+        self.checkpoint_policy = CheckpointPolicy(checkpoint_every, checkpoint_interval_s, keep_checkpoints)
         from .sharded_learner import LearnerGroup
 
         self.sharded = isinstance(topology.learner, LearnerGroup)
@@ -217,14 +217,10 @@ class RLDriver:
         # checkpoint_interval_s have passed since the last one. A caller that writes its own
         # checkpoints (python -m torchtpu_rl.train) sets last_checkpoint instead.
         self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
-        self.checkpoint_every = checkpoint_every
-        self.checkpoint_interval_s = float(checkpoint_interval_s)
-        self.keep_checkpoints = keep_checkpoints
         # after a member of a collective sync died, how long the others may take to fail or finish
         # before the driver kills them (they are restarted); never the group's own timeout
         self.sync_abort_s = float(sync_abort_s)
         self.last_checkpoint: Optional[str] = None  # the newest checkpoint saved or loaded: what a dead learner restarts from
-        self._last_checkpoint_time = time.monotonic()
         self._own_checkpoints: list = []
         self._recovery: Optional[dict] = None  # the learner_restored event until the first step after it
         # called as hook(driver, step) after a dead learner was restored to checkpointed step ``step``:
@@ -467,9 +463,7 @@ class RLDriver:
         ``checkpoint_interval_s`` after the last one."""
         if self.checkpoint_dir is None:
             return
-        due = (self.step_idx % self.checkpoint_every == 0 if self.checkpoint_every
-               else time.monotonic() - self._last_checkpoint_time >= self.checkpoint_interval_s)
-        if due or self.last_checkpoint is None:
+        if self.checkpoint_policy.due(self.step_idx) or self.last_checkpoint is None:
             self._save_periodic()
 
     def _save_periodic(self) -> None:
@@ -478,11 +472,9 @@ class RLDriver:
         if path in self._own_checkpoints:
             self._own_checkpoints.remove(path)
         self._own_checkpoints.append(path)
-        while len(self._own_checkpoints) > self.keep_checkpoints:
-            old = self._own_checkpoints.pop(0)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(old)
-            shutil.rmtree(old + _ckpt.SHARDS_SUFFIX, ignore_errors=True)  # a sharded learner's DCP shards
+        for old in self.checkpoint_policy.stale(self._own_checkpoints):
+            self._own_checkpoints.remove(old)
+            remove_checkpoint(old)
 
     def _recover_learner(self, error: BaseException) -> None:
         """The learner died: wait for Ray to restart it (or start a new one), load the last
@@ -814,7 +806,7 @@ class RLDriver:
             args.append(os.path.abspath(os.fspath(reference_path)))
         out = self._learner_call("save_checkpoint", *args)
         self.last_checkpoint = out
-        self._last_checkpoint_time = time.monotonic()
+        self.checkpoint_policy.saved()
         return out
 
     def load_checkpoint(self, path: str) -> dict:
@@ -828,7 +820,7 @@ class RLDriver:
         self._pending.clear()
         state = self._learner_call("load_checkpoint", os.path.abspath(os.fspath(path)))
         self.last_checkpoint = os.fspath(path)
-        self._last_checkpoint_time = time.monotonic()
+        self.checkpoint_policy.saved()
         if state is None:
             raise ValueError(f"checkpoint {path!r} has no driver state")
         if int(state["seed"]) != self.seed:

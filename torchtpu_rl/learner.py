@@ -207,6 +207,11 @@ class _AdamW:
                     m.copy_(v)
 
 
+# metrics combined across a sharded learner's ranks other than by summing (_metrics_across_ranks)
+AGREEMENT_MEANS = ("rollout_logprob_diff_mean", "is_ratio_mean", "is_clipped_frac", "rollout_kl")
+RANK_MEANS = ("clipfrac", "ratio_mean", "grad_norm")
+
+
 def _policy_micro_loss(policy, ids, am, rm, old, adv, w, ref, gtok, scale, temp, eps_low, eps_high, agg, kl_kind,
                        kl_coef, kl_in_loss, entropy_coef):
     """Loss of one micro-batch (forward included) and its detached parts; compiled as one program."""
@@ -508,9 +513,10 @@ class Learner:
                    if self.tis_cap else None)
             # how far the rollout's log-probs are from this recompute (engine numerics, staleness)
             diff = (blogp_d - old_logp).abs() * rmask_d
-            agreement = torch.cat([
-                torch.stack([diff.max(), diff.sum() / rmask_d.sum().clamp(min=1.0)]).float(),
-                A.rollout_mismatch_stats(blogp_d, old_logp, rmask_d, self.tis_cap or 2.0, self.tis_level)])
+            mismatch = A.rollout_mismatch_stats(blogp_d, old_logp, rmask_d, self.tis_cap or 2.0, self.tis_level)
+            agreement = {"rollout_logprob_diff_max": diff.max(),
+                         "rollout_logprob_diff_mean": diff.sum() / rmask_d.sum().clamp(min=1.0),
+                         **dict(zip(AGREEMENT_MEANS[1:], mismatch.unbind()))}
 
             # ---- 4. updates
             stats = []
@@ -522,50 +528,60 @@ class Learner:
                     stats.append(self._update(rows, lengths, Lb, mini, ids_d, am_d, rmask_d, rmask, old_logp,
                                               ref_logp, adv_d, isw, old_values, returns_d, temp))
                     n_opt += 1
-            # one host read for every metric of the step
+            # one host read for every metric of the step, then read back by name
             keys = list(stats[0].keys())
-            vals_h = torch.cat([torch.stack([torch.stack([s[k].detach().float().reshape(()) for k in keys])
-                                             for s in stats]).flatten(), agreement.float()]).cpu()
+            named = {(k, i): s[k] for i, s in enumerate(stats) for k in keys}
+            named.update({(k, None): v for k, v in agreement.items()})
+            host = torch.stack([v.detach().float().reshape(()) for v in named.values()]).cpu()
+            vals = dict(zip(named, host.tolist()))
         self.policy_version += 1
         ntok = int(rmask.sum())
         real_tok = int(am.sum())
         versions, resp_len = batch.policy_version, batch.response_lengths
         if self.fsdp:  # the metrics of the whole batch, as one learner reports them
-            vals_h = self._metrics_across_ranks(vals_h, keys, len(stats), ntok)
+            vals = self._metrics_across_ranks(vals, ntok)
             r, versions, resp_len = (self._gather_rows(t) for t in (r, versions, resp_len))
             ntok, real_tok = (int(x) for x in _all_reduce_host([ntok, real_tok]))
             B = r.shape[0]
         dt = time.perf_counter() - t0
-        m = {k: float(vals_h[:-5].reshape(len(stats), len(keys))[:, j].mean()) for j, k in enumerate(keys)}
+        # per optimizer step pieces: their mean over the step's optimizer steps
+        m = {k: sum(vals[(k, i)] for i in range(len(stats))) / len(stats) for k in keys}
+        m.update({k: vals[(k, None)] for k in agreement})
         m.update({
             "reward_mean": float(r.mean()), "reward_std": float(r.std()) if B > 1 else 0.0,
             "response_length_mean": float(resp_len.float().mean()),
             "response_tokens": ntok, "optimizer_steps": n_opt, "step_seconds": dt,
             "tokens_per_s": ntok * self.ppo_epochs / dt if dt > 0 else float("nan"),
             "learner_tokens_per_s": real_tok * self.ppo_epochs / dt if dt > 0 else float("nan"),
-            "rollout_logprob_diff_max": float(vals_h[-5]), "rollout_logprob_diff_mean": float(vals_h[-4]),
-            "is_ratio_mean": float(vals_h[-3]), "is_clipped_frac": float(vals_h[-2]), "rollout_kl": float(vals_h[-1]),
             "policy_version": self.policy_version,
             "staleness_max": int(self.policy_version - 1 - int(versions.min())) if B else 0,
         })
         self.last_metrics = m
         return m
 
-    def _metrics_across_ranks(self, vals_h, keys, n_stats, ntok):
-        """Combine the ranks' metric vectors: the loss pieces are fractions of the whole mini-batch
-        (they add up); clipfrac, ratio_mean and the grad norm (every rank computes the same) are
-        averaged over ranks; the rollout-agreement means are weighted by the ranks' response tokens;
-        the largest log-prob difference is the max."""
+    def _metrics_across_ranks(self, vals: dict, ntok: int) -> dict:
+        """Combine the ranks' metrics (``{(name, optimizer step or None): value}``), by name: the loss
+        pieces are fractions of the whole mini-batch (they add up); clipfrac, ratio_mean and the grad
+        norm (every rank computes the same) are averaged over ranks; the rollout-agreement means are
+        weighted by the ranks' response tokens; the largest log-prob difference is the max."""
         W = self.world_size
-        mean_keys = torch.tensor([k in ("clipfrac", "ratio_mean", "grad_norm") for k in keys] * n_stats)
-        v = vals_h.double().clone()
-        v[-4:] *= ntok
-        total = _all_reduce_host(torch.cat([v, torch.tensor([float(ntok)], dtype=torch.float64)]))
-        total, tokens = total[:-1], total[-1]
-        total[:-5] = torch.where(mean_keys, total[:-5] / W, total[:-5])
-        total[-4:] /= max(float(tokens), 1.0)
-        total[-5] = _all_reduce_host(vals_h[-5:-4], "max")[0]
-        return total.float()
+        names = list(vals)
+        v = torch.tensor([vals[n] * (ntok if n[0] in AGREEMENT_MEANS else 1.0) for n in names] + [float(ntok)],
+                         dtype=torch.float64)
+        total = _all_reduce_host(v)
+        tokens = max(float(total[-1]), 1.0)
+        biggest = float(_all_reduce_host([vals[("rollout_logprob_diff_max", None)]], "max")[0])
+        out = {}
+        for n, t in zip(names, total[:-1].tolist()):
+            if n[0] == "rollout_logprob_diff_max":
+                out[n] = biggest
+            elif n[0] in AGREEMENT_MEANS:
+                out[n] = t / tokens
+            elif n[0] in RANK_MEANS:
+                out[n] = t / W
+            else:
+                out[n] = t
+        return out
 
     def _gather_rows(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's rows of a host tensor (the same row count on each), in rank order."""

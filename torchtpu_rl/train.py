@@ -18,10 +18,11 @@ Outputs in ``--out``:
   steps and at the end (``accuracy``: the fraction of samples the first reward scores >= 1,
   ``reward_mean`` and each reward's mean);
 - ``tb/``: TensorBoard event files of the same scalars; ``curves.png``: reward and eval curves;
-- ``checkpoints/step_N/``: ``state.pt`` (policy, reference, critic, optimizers, RNG, data
-  cursor, policy version: :mod:`torchtpu_rl.checkpoint`) and ``run.json`` (model, algorithm,
-  settings), every ``--save-every`` steps and at the end; ``--resume`` takes one (or a run
-  directory: its latest) and refuses one made by another model or algorithm;
+- ``checkpoints/step_N/``: ``state.pt`` (policy, critic, optimizers, RNG, data cursor, policy
+  version: :mod:`torchtpu_rl.checkpoint`) and ``run.json`` (model, algorithm, settings), every
+  ``--save-every`` steps and at the end, the newest ``--keep-checkpoints`` kept; the frozen reference
+  policy once in ``checkpoints/reference.pt``; ``--resume`` takes one (or a run directory: its latest
+  with a ``state.pt``) and refuses one made by another model or algorithm;
 - ``hf/``: the trained policy (``save_pretrained``, safetensors) and the tokenizer;
 - ``summary.json``: the run's figures.
 
@@ -353,15 +354,14 @@ def _prepare_out(args) -> None:
 
 def _prune_checkpoints(ckpts: str, keep: int) -> list:
     """Delete all but the newest ``keep`` complete step_N directories (and any older torn ones)."""
-    import shutil
+    from .checkpoint_policy import CheckpointPolicy, remove_checkpoint
 
-    out = os.path.dirname(ckpts)
-    steps = _checkpoint_steps(out)
+    steps = _checkpoint_steps(os.path.dirname(ckpts))
     whole = [n for n in steps if _is_checkpoint(os.path.join(ckpts, f"step_{n}"))]
-    kept = set(whole[-keep:])
-    gone = [n for n in steps if n not in kept and (not whole or n < whole[-1])]
+    stale = set(CheckpointPolicy(keep=keep).stale(whole))
+    gone = [n for n in steps if n in stale or (n not in whole and whole and n < whole[-1])]
     for n in gone:
-        shutil.rmtree(os.path.join(ckpts, f"step_{n}"), ignore_errors=True)
+        remove_checkpoint(os.path.join(ckpts, f"step_{n}"))
     return gone
 
 
@@ -702,6 +702,7 @@ def main(argv=None) -> dict:
     import ray
 
     from . import hf
+    from .checkpoint_policy import CheckpointPolicy
     from .driver import RLDriver, ray_session
     from .rewards import RewardSet
     from .topology import make_topology
@@ -739,7 +740,8 @@ def main(argv=None) -> dict:
                       flush=True)
             outputs = _Outputs(args.out, resume_step)
             ckpts = os.path.join(args.out, "checkpoints")
-            last = {"eval": None, "save": None, "save_t": time.monotonic()}
+            last = {"eval": None, "save": None}
+            policy = CheckpointPolicy(args.save_every or None, args.save_interval_s, args.keep_checkpoints)
             if resume_step is None:  # a learner that dies before the first periodic checkpoint restarts here
                 _save(driver, topo, args, s["fingerprint"], ckpts)
 
@@ -763,10 +765,10 @@ def main(argv=None) -> dict:
                 history.append(outputs.step(m, driver.last_sync))
                 if args.eval_every and driver.step_idx % args.eval_every == 0:
                     evaluate()
-                if (driver.step_idx % args.save_every == 0 if args.save_every
-                        else time.monotonic() - last["save_t"] >= args.save_interval_s):
+                if policy.due(driver.step_idx):
                     _save(driver, topo, args, s["fingerprint"], ckpts)
-                    last["save"], last["save_t"] = driver.step_idx, time.monotonic()
+                    last["save"] = driver.step_idx
+                    policy.saved()
 
             driver.on_learner_restored = learner_restored
 
