@@ -104,6 +104,7 @@ def ray_session(run_dir: Optional[str] = None, *, num_cpus: int = 2, object_stor
         head.stop()
 
 
+@dataclasses.dataclass
 class _StepRollouts:
     step: int
     items: list  # (dataset_index, prompt, metadata) per prompt

@@ -37,6 +37,7 @@ the rollout engine's numerics, or a stale policy version, are from the learner's
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import time
@@ -205,6 +206,41 @@ class _AdamW:
             with torch.no_grad():
                 for m, v in zip(self.master, sd["master"]):
                     m.copy_(v)
+
+
+@dataclasses.dataclass
+class _Step:
+    """What the stages of one ``Learner.train_step`` hand each other (host tensors, and ``*_d`` on device)."""
+
+    batch: RolloutBatch
+    B: int
+    r: torch.Tensor
+    temp: float
+    mini: int
+    ids: Optional[torch.Tensor] = None
+    am: Optional[torch.Tensor] = None
+    rmask: Optional[torch.Tensor] = None
+    lengths: Optional[list] = None
+    Lb: int = 0
+    ids_d: Optional[torch.Tensor] = None
+    am_d: Optional[torch.Tensor] = None
+    rmask_d: Optional[torch.Tensor] = None
+    blogp_d: Optional[torch.Tensor] = None
+    old_logp: Optional[torch.Tensor] = None
+    ref_logp: Optional[torch.Tensor] = None
+    old_values: Optional[torch.Tensor] = None
+    adv_d: Optional[torch.Tensor] = None
+    returns_d: Optional[torch.Tensor] = None
+    isw: Optional[torch.Tensor] = None
+
+
+def _host_metrics(stats: list, agreement: dict) -> dict:
+    """Every metric of a step in one host read: ``{(name, optimizer step): value}`` for the update pieces,
+    ``{(name, None): value}`` for the agreement."""
+    named = {(k, i): v for i, s in enumerate(stats) for k, v in s.items()}
+    named.update({(k, None): v for k, v in agreement.items()})
+    host = torch.stack([v.detach().float().reshape(()) for v in named.values()]).cpu()
+    return dict(zip(named, host.tolist()))
 
 
 # metrics combined across a sharded learner's ranks other than by summing (_metrics_across_ranks)
@@ -438,10 +474,26 @@ class Learner:
     # ------------------------------------------------------------ one update
     def train_step(self, batch: RolloutBatch, rewards) -> dict:
         """One policy update from ``batch`` and per-sequence ``rewards`` (B,); returns metrics and
-        increments ``policy_version``."""
+        increments ``policy_version``. The stages, each a method: :meth:`_inputs` (checks and the
+        device layout), :meth:`_score` (no-grad log-probs of the policy and the reference, values),
+        :meth:`_advantages`, :meth:`_agreement` (rollout vs learner log-probs), :meth:`_updates`
+        (the optimizer steps) and :meth:`_report` (one host read, metrics by name)."""
+        t0 = time.perf_counter()
+        st = self._inputs(batch, rewards)
+        with bucketing.bucket_scope(length=st.Lb, micro=self.micro_batch_tokens or min(self.micro_batch_size
+                                                                                         or st.mini, st.mini)):
+            self._score(st)
+            self._advantages(st)
+            agreement = self._agreement(st)
+            stats = self._updates(st)
+            vals = _host_metrics(stats, agreement)
+        self.policy_version += 1
+        return self._report(st, stats, agreement, vals, time.perf_counter() - t0)
+
+    def _inputs(self, batch: RolloutBatch, rewards) -> "_Step":
+        """Checks, then the batch as host tensors of one length bucket and their device copies."""
         if not isinstance(batch, RolloutBatch):
             raise TypeError(f"Learner.train_step: batch must be a RolloutBatch, not {type(batch).__name__}")
-        t0 = time.perf_counter()
         batch = batch.to_cpu()
         B = len(batch)
         r = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1).cpu()
@@ -454,103 +506,104 @@ class Learner:
         if self.algo == "grpo" and B % self.group_size:
             raise ValueError(f"Learner.train_step: GRPO batch of {B} rows is not whole groups of {self.group_size}")
         temp = self.temperature if self.temperature is not None else batch.temperature
-        temp = temp if temp and temp > 0 else 1.0
-        # a sharded learner holds its slice of the batch: mini_batch_size counts rows of the whole batch
-        mini = self.mini_batch_size // self.world_size if self.mini_batch_size else B
-        ids, am, rmask, blogp, lengths = self._layout(batch)
-        Lb = ids.shape[1]
-        dev = self.device
-        ids_d, am_d, rmask_d, blogp_d = (t.to(dev) for t in (ids, am, rmask, blogp))
+        st = _Step(batch=batch, B=B, r=r, temp=temp if temp and temp > 0 else 1.0,
+                   # a sharded learner holds its slice of the batch: mini_batch_size counts rows of the whole batch
+                   mini=self.mini_batch_size // self.world_size if self.mini_batch_size else B)
+        st.ids, st.am, st.rmask, blogp, st.lengths = self._layout(batch)
+        st.Lb = st.ids.shape[1]
+        st.ids_d, st.am_d, st.rmask_d, st.blogp_d = (t.to(self.device) for t in (st.ids, st.am, st.rmask, blogp))
+        return st
 
-        with bucketing.bucket_scope(length=Lb, micro=self.micro_batch_tokens or min(self.micro_batch_size or mini,
-                                                                                      mini)):
-            # ---- 2. no-grad passes over micro-batches, put back in row order
-            plan = self._even(self._plan(list(range(B)), lengths, Lb, mini))
-            old, ref, vals = [], [], []
-            score = self._score_fn()
-            with torch.no_grad():
-                for chunk, L, R in plan:
-                    keep, (ids_m, am_m, rm_m) = self._micro_inputs(chunk, L, R, (ids_d, am_d, rmask_d))
-                    n, pad = len(chunk), Lb - L
-                    old.append(F.pad(score(self.policy, ids_m, am_m, rm_m, temp)[:n], (0, pad)))
-                    if self.ref_policy is not None and self.kl_coef > 0:
-                        ref.append(F.pad(score(self.ref_policy, ids_m, am_m, rm_m, temp)[:n], (0, pad)))
-                    if self.critic is not None:
-                        vals.append(F.pad(self._values(ids_m, am_m, rm_m)[:n], (0, pad)))
-            order = [r_ for chunk, _, _ in plan for r_ in chunk]
-            inv = None if order == list(range(B)) else torch.tensor(order).argsort().to(dev)
+    def _score(self, st: "_Step") -> None:
+        """No-grad passes over micro-batches, put back in row order: the policy's log-probs before the
+        update (``old_logp``), the reference's (KL), the critic's values (PPO)."""
+        plan = self._even(self._plan(list(range(st.B)), st.lengths, st.Lb, st.mini))
+        old, ref, vals = [], [], []
+        score = self._score_fn()
+        with torch.no_grad():
+            for chunk, L, R in plan:
+                keep, (ids_m, am_m, rm_m) = self._micro_inputs(chunk, L, R, (st.ids_d, st.am_d, st.rmask_d))
+                n, pad = len(chunk), st.Lb - L
+                old.append(F.pad(score(self.policy, ids_m, am_m, rm_m, st.temp)[:n], (0, pad)))
+                if self.ref_policy is not None and self.kl_coef > 0:
+                    ref.append(F.pad(score(self.ref_policy, ids_m, am_m, rm_m, st.temp)[:n], (0, pad)))
+                if self.critic is not None:
+                    vals.append(F.pad(self._values(ids_m, am_m, rm_m)[:n], (0, pad)))
+        order = [r_ for chunk, _, _ in plan for r_ in chunk]
+        inv = None if order == list(range(st.B)) else torch.tensor(order).argsort().to(self.device)
 
-            def rows_back(parts):
-                if not parts:
-                    return None
-                t = torch.cat(parts) if len(parts) > 1 else parts[0]
-                return t if inv is None else t.index_select(0, inv)
+        def rows_back(parts):
+            if not parts:
+                return None
+            t = torch.cat(parts) if len(parts) > 1 else parts[0]
+            return t if inv is None else t.index_select(0, inv)
 
-            old_logp, ref_logp, old_values = rows_back(old), rows_back(ref), rows_back(vals)
+        st.old_logp, st.ref_logp, st.old_values = rows_back(old), rows_back(ref), rows_back(vals)
 
-            # ---- 3. advantages
-            if self.algo == "grpo":
-                adv_seq = A.grpo_advantages(r, self.group_size, self.grpo_eps, self.grpo_normalize_std)
-                adv = adv_seq[:, None] * rmask
-                returns = None
-            else:
-                tok_r = torch.zeros(B, Lb)
-                P = batch.prompt_ids.shape[1]
-                for i in range(B):
-                    if lengths[i] > P:
-                        tok_r[i, lengths[i] - 1] = r[i]
-                if self.kl_in_reward and ref_logp is not None:
-                    kl_tok = A.kl_estimate(old_logp, ref_logp, self.kl_kind).cpu() * rmask
-                    tok_r = tok_r - self.kl_coef * kl_tok
-                adv, returns = A.gae(tok_r, old_values.cpu(), rmask, self.gamma, self.lam)
-            if self.whiten_advantages:
-                adv = A.masked_whiten(adv, rmask)
-            adv_d = adv.to(dev)
-            returns_d = returns.to(dev) if returns is not None else None
+    def _advantages(self, st: "_Step") -> None:
+        """Per-token advantages (GRPO: group-relative; PPO: GAE over the per-token rewards, KL in the
+        reward when ``kl_in_reward``), whitened when asked; PPO's returns."""
+        rmask, r = st.rmask, st.r
+        if self.algo == "grpo":
+            adv = A.grpo_advantages(r, self.group_size, self.grpo_eps, self.grpo_normalize_std)[:, None] * rmask
+            returns = None
+        else:
+            tok_r = torch.zeros(st.B, st.Lb)
+            P = st.batch.prompt_ids.shape[1]
+            for i in range(st.B):
+                if st.lengths[i] > P:
+                    tok_r[i, st.lengths[i] - 1] = r[i]
+            if self.kl_in_reward and st.ref_logp is not None:
+                kl_tok = A.kl_estimate(st.old_logp, st.ref_logp, self.kl_kind).cpu() * rmask
+                tok_r = tok_r - self.kl_coef * kl_tok
+            adv, returns = A.gae(tok_r, st.old_values.cpu(), rmask, self.gamma, self.lam)
+        if self.whiten_advantages:
+            adv = A.masked_whiten(adv, rmask)
+        st.adv_d = adv.to(self.device)
+        st.returns_d = returns.to(self.device) if returns is not None else None
+        # behaviour -> old importance weights (rollouts from an older version or another engine)
+        st.isw = (A.truncated_is_weights(st.blogp_d, st.old_logp, self.tis_cap, st.rmask_d, self.tis_level)
+                  if self.tis_cap else None)
 
-            # behaviour -> old importance weights (rollouts from an older version or another engine)
-            isw = (A.truncated_is_weights(blogp_d, old_logp, self.tis_cap, rmask_d, self.tis_level)
-                   if self.tis_cap else None)
-            # how far the rollout's log-probs are from this recompute (engine numerics, staleness)
-            diff = (blogp_d - old_logp).abs() * rmask_d
-            mismatch = A.rollout_mismatch_stats(blogp_d, old_logp, rmask_d, self.tis_cap or 2.0, self.tis_level)
-            agreement = {"rollout_logprob_diff_max": diff.max(),
-                         "rollout_logprob_diff_mean": diff.sum() / rmask_d.sum().clamp(min=1.0),
-                         **dict(zip(AGREEMENT_MEANS[1:], mismatch.unbind()))}
+    def _agreement(self, st: "_Step") -> dict:
+        """How far the rollout's log-probs are from this recompute (engine numerics, staleness): device
+        scalars by name."""
+        diff = (st.blogp_d - st.old_logp).abs() * st.rmask_d
+        mismatch = A.rollout_mismatch_stats(st.blogp_d, st.old_logp, st.rmask_d, self.tis_cap or 2.0,
+                                            self.tis_level)
+        return {"rollout_logprob_diff_max": diff.max(),
+                "rollout_logprob_diff_mean": diff.sum() / st.rmask_d.sum().clamp(min=1.0),
+                **dict(zip(AGREEMENT_MEANS[1:], mismatch.unbind()))}
 
-            # ---- 4. updates
-            stats = []
-            n_opt = 0
-            for _ in range(self.ppo_epochs):
-                perm = torch.randperm(B, generator=self._gen)
-                for ms in range(0, B, mini):
-                    rows = perm[ms:ms + mini]
-                    stats.append(self._update(rows, lengths, Lb, mini, ids_d, am_d, rmask_d, rmask, old_logp,
-                                              ref_logp, adv_d, isw, old_values, returns_d, temp))
-                    n_opt += 1
-            # one host read for every metric of the step, then read back by name
-            keys = list(stats[0].keys())
-            named = {(k, i): s[k] for i, s in enumerate(stats) for k in keys}
-            named.update({(k, None): v for k, v in agreement.items()})
-            host = torch.stack([v.detach().float().reshape(()) for v in named.values()]).cpu()
-            vals = dict(zip(named, host.tolist()))
-        self.policy_version += 1
-        ntok = int(rmask.sum())
-        real_tok = int(am.sum())
-        versions, resp_len = batch.policy_version, batch.response_lengths
+    def _updates(self, st: "_Step") -> list:
+        """``ppo_epochs`` passes over shuffled mini-batches, one optimizer step each; their pieces (device
+        scalars by name), one dict per optimizer step."""
+        stats = []
+        for _ in range(self.ppo_epochs):
+            perm = torch.randperm(st.B, generator=self._gen)
+            for ms in range(0, st.B, st.mini):
+                stats.append(self._update(perm[ms:ms + st.mini], st.lengths, st.Lb, st.mini, st.ids_d, st.am_d,
+                                          st.rmask_d, st.rmask, st.old_logp, st.ref_logp, st.adv_d, st.isw,
+                                          st.old_values, st.returns_d, st.temp))
+        return stats
+
+    def _report(self, st: "_Step", stats: list, agreement: dict, vals: dict, dt: float) -> dict:
+        """The step's metrics: each optimizer-step piece averaged over the step, the agreement, the batch's."""
+        r, B = st.r, st.B
+        ntok = int(st.rmask.sum())
+        real_tok = int(st.am.sum())
+        versions, resp_len = st.batch.policy_version, st.batch.response_lengths
         if self.fsdp:  # the metrics of the whole batch, as one learner reports them
             vals = self._metrics_across_ranks(vals, ntok)
             r, versions, resp_len = (self._gather_rows(t) for t in (r, versions, resp_len))
             ntok, real_tok = (int(x) for x in _all_reduce_host([ntok, real_tok]))
             B = r.shape[0]
-        dt = time.perf_counter() - t0
-        # per optimizer step pieces: their mean over the step's optimizer steps
-        m = {k: sum(vals[(k, i)] for i in range(len(stats))) / len(stats) for k in keys}
+        m = {k: sum(vals[(k, i)] for i in range(len(stats))) / len(stats) for k in stats[0]}
         m.update({k: vals[(k, None)] for k in agreement})
         m.update({
             "reward_mean": float(r.mean()), "reward_std": float(r.std()) if B > 1 else 0.0,
             "response_length_mean": float(resp_len.float().mean()),
-            "response_tokens": ntok, "optimizer_steps": n_opt, "step_seconds": dt,
+            "response_tokens": ntok, "optimizer_steps": len(stats), "step_seconds": dt,
             "tokens_per_s": ntok * self.ppo_epochs / dt if dt > 0 else float("nan"),
             "learner_tokens_per_s": real_tok * self.ppo_epochs / dt if dt > 0 else float("nan"),
             "policy_version": self.policy_version,
