@@ -107,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-tokens", type=int, help="micro-batches by a token budget instead of rows")
     g.add_argument("--gradient-checkpointing", action="store_true")
     g.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
+    g.add_argument("--clip-eps", type=float, default=0.2, help="the policy ratio's clip range below 1 (and above, "
+                   "unless --clip-eps-high)")
+    g.add_argument("--clip-eps-high", type=float, default=None, help="the clip range above 1 (DAPO's clip-higher)")
+    g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus in the loss")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--loss-agg", choices=("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+                   default="token-mean", help="how token losses make the batch's loss")
+    g.add_argument("--scale-rewards", choices=("group", "none"), default="group",
+                   help="GRPO: divide each group's advantages by its reward std (group) or not (none, Dr. GRPO)")
     g.add_argument("--rollout-quantization", choices=("none", "int8", "int8_weight_only", "fp8"), default="none",
                    help="rollout workers generate with quantized weights (int8: int8 weights and activations), "
                         "re-quantized after every weight sync")
@@ -163,9 +172,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _trl_loss_type(v):
+    table = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
+             # Dr. GRPO divides token sums by a constant (max_completion_length); a per-sequence sum differs
+             # from it by that constant only
+             "dr_grpo": "seq-mean-token-sum"}
+    if v not in table:
+        raise ValueError(f"loss_type must be one of {sorted(table)}")
+    return table[v]
+
+
+def _trl_scale_rewards(v):
+    table = {True: "group", "group": "group", False: "none", "none": "none"}
+    if v not in table:
+        raise ValueError("scale_rewards must be true/'group' or false/'none' ('batch' is not supported)")
+    return table[v]
+
+
+# config-file keys in TRL's GRPOConfig / verl's names, with the flag each sets (and how its value reads)
+CONFIG_ALIASES = {
+    # TRL GRPOConfig
+    "learning_rate": ("lr", None), "num_generations": ("group_size", None), "beta": ("kl_coef", None),
+    "epsilon": ("clip_eps", None), "epsilon_high": ("clip_eps_high", None),
+    "max_completion_length": ("max_new_tokens", None), "max_prompt_length": ("max_prompt_tokens", None),
+    "loss_type": ("loss_agg", _trl_loss_type), "scale_rewards": ("scale_rewards", _trl_scale_rewards),
+    "num_iterations": ("ppo_epochs", None), "per_device_train_batch_size": ("micro_batch_size", None),
+    "max_grad_norm": ("grad_clip", None), "max_steps": ("steps", None), "output_dir": ("out", None),
+    "save_steps": ("save_every", None), "eval_steps": ("eval_every", None),
+    "save_total_limit": ("keep_checkpoints", None),
+    # verl (actor / rollout options)
+    "clip_ratio": ("clip_eps", None), "clip_ratio_low": ("clip_eps", None), "clip_ratio_high": ("clip_eps_high", None),
+    "entropy_coeff": ("entropy_coef", None), "kl_loss_coef": ("kl_coef", None), "loss_agg_mode": ("loss_agg", None),
+    "ppo_mini_batch_size": ("mini_batch_size", None), "ppo_micro_batch_size_per_gpu": ("micro_batch_size", None),
+    "response_length": ("max_new_tokens", None), "grad_clip": ("grad_clip", None),
+}
+
+
 def load_config(path: str, parser: Optional[argparse.ArgumentParser] = None) -> dict:
-    """The options in a YAML or TOML file, keyed by their ``argparse`` names; an unknown key is an error
-    naming the file and the key."""
+    """The options in a YAML or TOML file, keyed by their ``argparse`` names, or by TRL's ``GRPOConfig`` /
+    verl's names where they mean the same (:data:`CONFIG_ALIASES`); an unknown key, or one option given
+    twice under two names, is an error naming the file and the key."""
     parser = parser or build_parser()
     if not os.path.isfile(path):
         raise TrainError(f"config file {path!r} does not exist")
@@ -191,8 +237,19 @@ def load_config(path: str, parser: Optional[argparse.ArgumentParser] = None) -> 
         raise TrainError(f"config file {path!r} must hold a mapping of options, not a {type(raw).__name__}")
     known = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
     out = {}
+    named = {}
     for key, value in raw.items():
         dest = str(key).replace("-", "_")
+        if dest in CONFIG_ALIASES:
+            dest, read = CONFIG_ALIASES[dest]
+            if read is not None:
+                try:
+                    value = read(value)
+                except ValueError as e:
+                    raise TrainError(f"config file {path!r}: {e}, not {value!r}") from None
+        if dest in named:
+            raise TrainError(f"config file {path!r}: {key!r} and {named[dest]!r} both set --{dest.replace('_', '-')}")
+        named[dest] = key
         if dest not in known:
             raise TrainError(f"config file {path!r}: unknown option {key!r} (options: "
                              f"{', '.join(sorted(k.replace('_', '-') for k in known))})")
@@ -292,6 +349,11 @@ def _check_floats(args) -> None:
     need("save_interval_s", lambda v: v > 0, "a finite number of seconds > 0")
     need("reward_model_weight", lambda v: True, "a finite number")
     need("max_reward_error_fraction", lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
+    need("clip_eps", lambda v: 0 < v < 1, "in (0, 1)")
+    if args.clip_eps_high is not None:
+        need("clip_eps_high", lambda v: v > 0, "a finite number > 0")
+    need("entropy_coef", lambda v: True, "a finite number")
+    need("weight_decay", lambda v: v >= 0, "a finite number >= 0")
     if args.top_k < 0:
         raise TrainError(f"--top-k must be >= 0 (0: off), not {args.top_k}")
     for i, w in enumerate(args.reward_weight or []):
@@ -445,10 +507,12 @@ def _learner_kwargs(args) -> dict:
     kw = dict(lr=args.lr, kl_coef=args.kl_coef, grad_clip=args.grad_clip or None, seed=args.seed,
               ppo_epochs=args.ppo_epochs, mini_batch_size=args.mini_batch_size, micro_batch_size=args.micro_batch_size,
               micro_batch_tokens=args.micro_batch_tokens, gradient_checkpointing=bool(args.gradient_checkpointing),
+              eps_low=args.clip_eps, eps_high=args.clip_eps_high, entropy_coef=args.entropy_coef,
+              weight_decay=args.weight_decay, loss_agg=args.loss_agg,
               # bfloat16: the learner keeps float32 master weights and optimizer state
               param_dtype=args.dtype)
     if args.algo == "grpo":
-        kw["group_size"] = args.group_size
+        kw.update(group_size=args.group_size, grpo_normalize_std=args.scale_rewards == "group")
     level = args.rollout_is or ("token" if args.rollout_quantization != "none" else "none")
     if level != "none":
         kw.update(tis_cap=args.rollout_is_threshold, tis_level=level)

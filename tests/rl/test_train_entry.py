@@ -211,8 +211,8 @@ def test_bad_inputs_are_named_before_any_actor_starts(run_inputs, tmp_path):
     with pytest.raises(train.TrainError, match="--prompts-per-step 2 must be a multiple of --learner-processes 3"):
         train.main(cfg + ["--learner-processes", "3"])
     bad = tmp_path / "bad.toml"
-    bad.write_text('model = "m"\nlearning_rate = 0.1\n')
-    with pytest.raises(train.TrainError, match=r"bad.toml.*unknown option 'learning_rate'"):
+    bad.write_text('model = "m"\nlearning_rte = 0.1\n')
+    with pytest.raises(train.TrainError, match=r"bad.toml.*unknown option 'learning_rte'"):
         train.main(["--config", str(bad)])
     good = tmp_path / "good.toml"
     good.write_text(f'model = "{run_inputs / "model"}"\ndata = "{run_inputs / "train.jsonl"}"\n'
@@ -385,3 +385,32 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
     path.write_text('{"step": 1}\n{"step": \n{"step": 3}\n')
     with pytest.raises(train.TrainError, match=r"metrics.jsonl' line 2 is not valid JSON"):
         train._read_jsonl(str(path))
+
+
+def test_config_files_take_trl_and_verl_names(run_inputs, tmp_path):
+    """A config file may use TRL's GRPOConfig names (and verl's where they mean the same); each reaches the
+    Learner option it names. One option under two names, or a value TRL has and we do not, is named."""
+    import yaml
+
+    cfg = {"model": str(run_inputs / "model"), "data": str(run_inputs / "train.jsonl"), "prompt_key": "messages",
+           "reward": "math_answer", "learning_rate": 3e-6, "num_generations": 4, "beta": 0.04, "epsilon": 0.2,
+           "epsilon_high": 0.28, "max_completion_length": 8, "temperature": 0.9, "loss_type": "dr_grpo",
+           "scale_rewards": False, "num_iterations": 2, "per_device_train_batch_size": 4, "entropy_coeff": 0.01,
+           "weight_decay": 0.1, "max_grad_norm": 0.5, "output_dir": str(tmp_path / "o")}
+    (tmp_path / "trl.yaml").write_text(yaml.safe_dump(cfg))
+    args = train.parse_args(["--config", str(tmp_path / "trl.yaml")])
+    kw = train._setup(args)["learner_kwargs"]
+    assert (kw["lr"], kw["group_size"], kw["kl_coef"], kw["eps_low"], kw["eps_high"]) == (3e-6, 4, 0.04, 0.2, 0.28)
+    assert (kw["loss_agg"], kw["grpo_normalize_std"], kw["ppo_epochs"], kw["micro_batch_size"]) == \
+        ("seq-mean-token-sum", False, 2, 4)
+    assert (kw["entropy_coef"], kw["weight_decay"], kw["grad_clip"]) == (0.01, 0.1, 0.5)
+    assert (args.max_new_tokens, args.temperature, args.out) == (8, 0.9, str(tmp_path / "o"))
+    (tmp_path / "twice.yaml").write_text(yaml.safe_dump({**cfg, "lr": 1e-3}))
+    with pytest.raises(train.TrainError, match=r"twice.yaml.*'lr' and 'learning_rate' both set --lr"):
+        train.parse_args(["--config", str(tmp_path / "twice.yaml")])
+    (tmp_path / "batch.yaml").write_text(yaml.safe_dump({**cfg, "scale_rewards": "batch"}))
+    with pytest.raises(train.TrainError, match=r"scale_rewards must be true/'group' or false/'none' \('batch' is not "
+                                               r"supported\), not 'batch'"):
+        train.parse_args(["--config", str(tmp_path / "batch.yaml")])
+    with pytest.raises(train.TrainError, match=r"--clip-eps must be in \(0, 1\), not 1.5"):
+        train._setup(train.parse_args(["--config", str(tmp_path / "trl.yaml"), "--clip-eps", "1.5"]))
