@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="GRPO / PPO post-training of a Hugging Face causal LM on text prompts, "
                                             "with rollout workers and a learner as Ray actors on tpu.")
     a = p.add_argument
-    a("--config", help="YAML (.yaml/.yml) or TOML (.toml) file with any of these options; flags override it")
+    a("--config", help="YAML (.yaml/.yml), TOML (.toml) or JSON (.json) file with any of these options (or TRL / verl "
+                       "names for them); flags override it")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", help="local Hugging Face causal-LM directory (config.json, weights, tokenizer)")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter dtype")
@@ -227,14 +228,22 @@ def load_config(path: str, parser: Optional[argparse.ArgumentParser] = None) -> 
 
             with open(path) as f:
                 raw = yaml.safe_load(f) or {}
+        elif low.endswith(".json"):
+            with open(path) as f:
+                raw = json.load(f)
         else:
-            raise TrainError(f"config file {path!r}: use .yaml, .yml or .toml")
+            raise TrainError(f"config file {path!r}: use .yaml, .yml, .toml or .json")
     except TrainError:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised naming the file
         raise TrainError(f"cannot read config file {path!r}: {type(e).__name__}: {e}") from e
     if not isinstance(raw, dict):
         raise TrainError(f"config file {path!r} must hold a mapping of options, not a {type(raw).__name__}")
+    return _options_from_mapping(raw, f"config file {path!r}", parser)
+
+
+def _options_from_mapping(raw: dict, where: str, parser: argparse.ArgumentParser) -> dict:
+    """``raw``'s options keyed by their ``argparse`` names (see :func:`load_config`); errors name ``where``."""
     known = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
     out = {}
     named = {}
@@ -246,23 +255,23 @@ def load_config(path: str, parser: Optional[argparse.ArgumentParser] = None) -> 
                 try:
                     value = read(value)
                 except ValueError as e:
-                    raise TrainError(f"config file {path!r}: {e}, not {value!r}") from None
+                    raise TrainError(f"{where}: {e}, not {value!r}") from None
         if dest in named:
-            raise TrainError(f"config file {path!r}: {key!r} and {named[dest]!r} both set --{dest.replace('_', '-')}")
+            raise TrainError(f"{where}: {key!r} and {named[dest]!r} both set --{dest.replace('_', '-')}")
         named[dest] = key
         if dest not in known:
-            raise TrainError(f"config file {path!r}: unknown option {key!r} (options: "
+            raise TrainError(f"{where}: unknown option {key!r} (options: "
                              f"{', '.join(sorted(k.replace('_', '-') for k in known))})")
         action = known[dest]
         if isinstance(action, argparse._AppendAction) and not isinstance(value, list):
             value = [value]
         if action.choices is not None and value not in action.choices:
-            raise TrainError(f"config file {path!r}: {key} must be one of {list(action.choices)}, not {value!r}")
+            raise TrainError(f"{where}: {key} must be one of {list(action.choices)}, not {value!r}")
         if action.type is not None and value is not None:
             try:
                 value = [action.type(v) for v in value] if isinstance(value, list) else action.type(value)
             except (TypeError, ValueError):
-                raise TrainError(f"config file {path!r}: {key}={value!r} is not a valid "
+                raise TrainError(f"{where}: {key}={value!r} is not a valid "
                                  f"{getattr(action.type, '__name__', action.type)}") from None
         out[dest] = value
     return out
@@ -453,7 +462,7 @@ def _check_resume(ckpt: str, args, fingerprint: dict) -> dict:
     if meta.get("seed") != args.seed:
         raise TrainError(f"refusing to resume from {ckpt!r}: it was made with --seed {meta.get('seed')}, this run has "
                          f"--seed {args.seed} (rollout seeds and the data order follow the seed)")
-    if meta.get("data") != os.path.abspath(args.data):
+    if meta.get("data") != _data_id(args.data):
         warnings.warn(f"resuming from {ckpt!r} (made with --data {meta.get('data')!r}) on --data {args.data!r}: the "
                       "data cursor continues at the same position", UserWarning, stacklevel=2)
     return meta
@@ -718,7 +727,7 @@ def _check_inputs(args) -> dict:
                                 limit=args.eval_limit)
     opts = {"max_new_tokens": args.max_new_tokens, "format_regex": args.format_regex,
             "length_buffer": args.length_buffer}
-    rewards = [resolve_reward(s, **opts) for s in (args.reward or [])]
+    rewards = [resolve_reward(r, **opts) if isinstance(r, str) else _named_reward(r) for r in (args.reward or [])]
     weights = list(args.reward_weight or [1.0] * len(rewards))
     stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     gen_eos = hf.generation_eos_ids(args.model)
@@ -746,23 +755,97 @@ def _save(driver, topo, args, fingerprint, out_ckpts: str) -> str:
     driver.save_checkpoint(os.path.join(d, "state.pt"), os.path.join(out_ckpts, "reference.pt"))
     meta = {"format": RUN_FORMAT, "step": driver.step_idx, "policy_version": driver.learner_version,
             "algo": args.algo, "model": os.path.abspath(args.model), "model_fingerprint": fingerprint,
-            "dtype": args.dtype, "seed": args.seed, "data": os.path.abspath(args.data),
+            "dtype": args.dtype, "seed": args.seed, "data": _data_id(args.data),
             "config": {k: v for k, v in vars(args).items()}, "saved_at": time.time()}
     tmp = os.path.join(d, "run.json.tmp")
     with open(tmp, "w") as f:
-        json.dump(meta, f, indent=2)
+        json.dump(meta, f, indent=2, default=_described)
     os.replace(tmp, os.path.join(d, "run.json"))  # run.json last: its presence marks a whole checkpoint
     _prune_checkpoints(out_ckpts, args.keep_checkpoints)
     return d
 
 
+def _data_id(data) -> str:
+    return os.path.abspath(data) if isinstance(data, (str, os.PathLike)) else _described(data)
+
+
+def _described(obj) -> str:
+    """What run.json records for a value that is not JSON (a reward function, an in-memory dataset)."""
+    if callable(obj):
+        return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', type(obj).__name__)}"
+    n = len(obj) if hasattr(obj, "__len__") else "?"
+    return f"<{type(obj).__module__}.{type(obj).__name__} of {n} rows>"
+
+
+def _named_reward(r) -> tuple:
+    if isinstance(r, tuple) and len(r) == 2 and callable(r[1]):
+        return str(r[0]), r[1]
+    if callable(r):
+        return getattr(r, "__name__", type(r).__name__), r
+    raise TrainError(f"a reward must be a built-in name, 'MODULE:FUNCTION', a callable or a (name, callable) pair, "
+                     f"not {r!r}")
+
+
+class Trainer:
+    """GRPO / PPO post-training in the shape TRL users know:
+
+        Trainer(model="models/qwen", reward_funcs=[my_reward, "format"], config="run.yaml",
+                train_dataset="train.jsonl").train()
+
+    ``model``: a local Hugging Face causal-LM directory. ``reward_funcs``: built-in names, ``MODULE:FUNCTION``
+    specs, callables ``fn(prompts, completions, **columns) -> list`` or ``(name, fn)`` pairs. ``config``: a
+    YAML/TOML/JSON file, a mapping (flag names or TRL ``GRPOConfig`` / verl names, :data:`CONFIG_ALIASES`)
+    or an ``argparse.Namespace`` of :func:`parse_args`. ``train_dataset`` / ``eval_dataset``: a jsonl or
+    parquet path, a ``datasets.Dataset`` or a list of dicts. ``python -m torchtpu_rl.train`` is this class
+    over the command line. Everything is checked when it is built (:class:`TrainError`, before Ray starts);
+    :meth:`train` runs and returns the summary.
+    """
+
+    def __init__(self, model=None, reward_funcs=None, config=None, train_dataset=None, eval_dataset=None,
+                 reward_weights=None):
+        if isinstance(config, argparse.Namespace):
+            args = config
+        else:
+            parser = build_parser()
+            args = parser.parse_args([])
+            if isinstance(config, (str, os.PathLike)):
+                opts = load_config(os.fspath(config), parser)
+            elif isinstance(config, dict):
+                opts = _options_from_mapping(config, "config", parser)
+            elif config is None:
+                opts = {}
+            else:
+                raise TrainError(f"Trainer: config must be a file path, a mapping or an argparse.Namespace, not "
+                                 f"{type(config).__name__}")
+            for k, v in opts.items():
+                setattr(args, k, v)
+            if args.bf16:
+                args.dtype = "bfloat16"
+        for name, value in (("model", model), ("data", train_dataset), ("eval_data", eval_dataset),
+                            ("reward_weight", reward_weights)):
+            if value is not None:
+                setattr(args, name, os.fspath(value) if isinstance(value, os.PathLike) else value)
+        if reward_funcs is not None:
+            args.reward = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+            if args.reward_weight is not None:
+                args.reward_weight = [float(w) for w in args.reward_weight]
+        self.args = args
+        self.setup = _setup(args)
+
+    def train(self) -> dict:
+        """Run training; returns the summary (also written to ``summary.json``)."""
+        return _run(self.args, self.setup)
+
+
 def main(argv=None) -> dict:
-    """Run training; returns the summary (also written to ``summary.json``)."""
-    args = parse_args(argv)
+    """Run training from the command line; returns the summary (also written to ``summary.json``)."""
+    return Trainer(config=parse_args(argv)).train()
+
+
+def _run(args, s: dict) -> dict:
     t_start = time.perf_counter()
     if args.xla_cache:
         os.environ.setdefault("TORCHTPU_CACHE_DIR", os.path.abspath(args.xla_cache))
-    s = _setup(args)
     import ray
 
     from . import hf

@@ -414,3 +414,36 @@ def test_config_files_take_trl_and_verl_names(run_inputs, tmp_path):
         train.parse_args(["--config", str(tmp_path / "batch.yaml")])
     with pytest.raises(train.TrainError, match=r"--clip-eps must be in \(0, 1\), not 1.5"):
         train._setup(train.parse_args(["--config", str(tmp_path / "trl.yaml"), "--clip-eps", "1.5"]))
+
+
+def _digits(prompts, completions, **_):
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+
+def test_trainer_python_entry_point_checks_on_construction(run_inputs, tmp_path):
+    """Trainer(model, reward_funcs, config, train_dataset): callables and built-in names as rewards, a mapping
+    of TRL names as config, an in-memory dataset; everything checked when it is built."""
+    rows = _read(run_inputs / "train.jsonl")
+    cfg = {"prompt_key": "messages", "learning_rate": 1e-3, "num_generations": 4, "beta": 0.0,
+           "max_completion_length": 8, "out": str(tmp_path / "o")}
+    t = train.Trainer(model=run_inputs / "model", reward_funcs=[_digits, "format"], config=cfg, train_dataset=rows)
+    assert (t.args.lr, t.args.group_size, t.args.kl_coef) == (1e-3, 4, 0.0)
+    assert [n for n, _ in t.setup["rewards"]] == ["_digits", "format"] and len(t.setup["dataset"]) == len(rows)
+    with pytest.raises(train.TrainError, match=r"config: unknown option 'learning_rte'"):
+        train.Trainer(model=run_inputs / "model", reward_funcs=[_digits], config={"learning_rte": 1},
+                      train_dataset=rows)
+    with pytest.raises(train.TrainError, match=r"a reward must be a built-in name, 'MODULE:FUNCTION', a callable"):
+        train.Trainer(model=run_inputs / "model", reward_funcs=[3], config=cfg, train_dataset=rows)
+    with pytest.raises(train.TrainError, match="no column 'messages'"):
+        train.Trainer(model=run_inputs / "model", reward_funcs=[_digits], config=cfg, train_dataset=[{"q": "x"}])
+
+
+def test_trainer_trains_with_a_callable_reward_on_rows(run_inputs, tmp_path, ray_driver, xla_cache):
+    rows = _read(run_inputs / "train.jsonl")
+    cfg = {"prompt_key": "messages", "learning_rate": 3e-3, "num_generations": 4, "prompts_per_step": 2,
+           "max_completion_length": 8, "max_steps": 1, "out": str(tmp_path / "o"), "no_progress": True,
+           "xla_cache": xla_cache, "seed": 3}
+    summary = train.Trainer(model=run_inputs / "model", reward_funcs=[_digits], config=cfg, train_dataset=rows).train()
+    assert summary["steps"] == 1 and summary["train_steps_this_run"] == 1
+    meta = json.loads((tmp_path / "o" / "checkpoints" / "step_1" / "run.json").read_text())
+    assert meta["config"]["reward"] == [f"{__name__}:_digits"] and meta["data"].endswith(f"of {len(rows)} rows>")
