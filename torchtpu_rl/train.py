@@ -17,7 +17,9 @@ Outputs in ``--out``:
 - ``eval.jsonl``: greedy decoding of ``--eval-data`` before training, every ``--eval-every``
   steps and at the end (``accuracy``: the fraction of samples the first reward scores >= 1,
   ``reward_mean`` and each reward's mean);
-- ``tb/``: TensorBoard event files of the same scalars; ``curves.png``: reward and eval curves;
+- ``samples.jsonl``: at each evaluation, the first ``--eval-samples`` (prompt, completion, reward);
+- ``tb/``: TensorBoard event files of the same scalars (``--report-to``: tensorboard, wandb offline,
+  none); ``curves.png``: reward and eval curves;
 - ``checkpoints/step_N/``: ``state.pt`` (policy, critic, optimizers, RNG, data cursor, policy
   version: :mod:`torchtpu_rl.checkpoint`) and ``run.json`` (model, algorithm, settings), every
   ``--save-every`` steps and at the end, the newest ``--keep-checkpoints`` kept; the frozen reference
@@ -164,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--xla-cache", default=os.path.join("runs", "xla_cache"),
                    help="persistent XLA compilation cache shared by the actors ('' to disable)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--report-to", action="append", choices=REPORT_TO, default=None,
+                   help="loggers beside the jsonl files (repeatable; default tensorboard): tensorboard (tb/), wandb "
+                        "(offline mode, in --out/wandb; needs the wandb package), none")
+    g.add_argument("--eval-samples", type=int, default=4,
+                   help="sample completions (prompt, completion, reward) kept from each evaluation in samples.jsonl "
+                        "(and TensorBoard text)")
     g = p.add_argument_group("local Ray head (started when RAY_ADDRESS is not set)")
     g.add_argument("--ray-num-cpus", type=int, default=None,
                    help="logical CPUs of the local head (default: this machine's CPU count)")
@@ -200,7 +208,7 @@ CONFIG_ALIASES = {
     "num_iterations": ("ppo_epochs", None), "per_device_train_batch_size": ("micro_batch_size", None),
     "max_grad_norm": ("grad_clip", None), "max_steps": ("steps", None), "output_dir": ("out", None),
     "save_steps": ("save_every", None), "eval_steps": ("eval_every", None),
-    "save_total_limit": ("keep_checkpoints", None),
+    "save_total_limit": ("keep_checkpoints", None), "report_to": ("report_to", None),
     # verl (actor / rollout options)
     "clip_ratio": ("clip_eps", None), "clip_ratio_low": ("clip_eps", None), "clip_ratio_high": ("clip_eps_high", None),
     "entropy_coeff": ("entropy_coef", None), "kl_loss_coef": ("kl_coef", None), "loss_agg_mode": ("loss_agg", None),
@@ -316,6 +324,17 @@ def _check_args(args) -> None:
         if v is not None and v < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, not {v!r}")
     _check_floats(args)
+    if args.report_to is None:
+        args.report_to = ["tensorboard"]
+    if "none" in args.report_to and len(args.report_to) > 1:
+        raise TrainError(f"--report-to none goes alone, not with {[r for r in args.report_to if r != 'none']}")
+    if args.eval_samples < 0:
+        raise TrainError(f"--eval-samples must be >= 0, not {args.eval_samples}")
+    if "wandb" in args.report_to:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise TrainError("--report-to wandb needs the wandb package (pip install wandb); it logs in offline mode")
     if args.lora_rank < 0:
         raise TrainError(f"--lora-rank must be >= 0, not {args.lora_rank}")
     if not args.rollout_is_threshold > 0:
@@ -535,29 +554,79 @@ def _jsonable(v):
     return v
 
 
+REPORT_TO = ("tensorboard", "wandb", "none")
+
+
+class _NoWriter:
+    """The TensorBoard writer's surface when ``--report-to`` leaves TensorBoard out."""
+
+    def add_scalar(self, *a, **k):
+        pass
+
+    def add_text(self, *a, **k):
+        pass
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
 class _Outputs:
-    """metrics.jsonl, eval.jsonl and TensorBoard, appended as the run goes."""
+    """metrics.jsonl, eval.jsonl, samples.jsonl (always: resume reads them) and the ``--report-to`` loggers
+    (TensorBoard, W&B in offline mode), appended as the run goes."""
 
     STEP_KEYS = {"rollout_wait_s": "rollout_s", "learner_call_s": "learn_s"}
 
-    def __init__(self, out: str, resume_step: Optional[int]):
+    def __init__(self, out: str, resume_step: Optional[int], report_to=("tensorboard",), config=None):
         self.out = out
         self.metrics_path = os.path.join(out, "metrics.jsonl")
         self.eval_path = os.path.join(out, "eval.jsonl")
+        self.samples_path = os.path.join(out, "samples.jsonl")
+        paths = (self.metrics_path, self.eval_path, self.samples_path)
         if resume_step is not None:  # rows of steps after the checkpoint are redone: drop them
-            for path in (self.metrics_path, self.eval_path):
+            for path in paths:
                 self._truncate(path, resume_step)
         else:  # a fresh run: no rows or event files of an earlier run in this directory
-            for path in (self.metrics_path, self.eval_path):
+            for path in paths:
                 if os.path.exists(path):
                     os.remove(path)
             tb = os.path.join(out, "tb")
             for name in (os.listdir(tb) if os.path.isdir(tb) else []):
                 if name.startswith("events.out.tfevents."):
                     os.remove(os.path.join(tb, name))
-        from torch.utils.tensorboard import SummaryWriter
+        self.tb = _NoWriter()
+        if "tensorboard" in report_to:
+            from torch.utils.tensorboard import SummaryWriter
 
-        self.tb = SummaryWriter(os.path.join(out, "tb"), purge_step=(resume_step + 1) if resume_step else None)
+            self.tb = SummaryWriter(os.path.join(out, "tb"), purge_step=(resume_step + 1) if resume_step else None)
+        self.wandb = None
+        if "wandb" in report_to:
+            import wandb
+
+            self.wandb = wandb.init(mode="offline", dir=out, config=config, resume="allow")
+
+    def _log(self, prefix: str, row: dict) -> None:
+        scalars = {f"{prefix}/{k}": v for k, v in row.items()
+                   if k not in ("step", "time") and isinstance(v, (int, float)) and v is not None and math.isfinite(v)}
+        for k, v in scalars.items():
+            self.tb.add_scalar(k, v, row["step"])
+        self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=row["step"])
+
+    def samples(self, step: int, prompts, completions, rewards) -> list:
+        """Sample completions of an evaluation: one row each (prompt, completion, reward)."""
+        rows = [{"step": step, "prompt": p, "completion": c, "reward": r}
+                for p, c, r in zip(prompts, completions, rewards)]
+        for row in rows:
+            self._append(self.samples_path, row)
+        if rows:
+            table = "| prompt | completion | reward |\n|---|---|---|\n" + "\n".join(
+                f"| {r['prompt'][-200:]!r} | {r['completion'][:200]!r} | {r['reward']:.3g} |" for r in rows)
+            self.tb.add_text("eval/samples", table, step)
+        return rows
 
     @staticmethod
     def _truncate(path: str, step: int) -> None:
@@ -589,28 +658,24 @@ class _Outputs:
             if numeric and k not in row and k not in skip and k not in self.STEP_KEYS:
                 row[k] = v
         self._append(self.metrics_path, row)
-        for k, v in row.items():
-            if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v):
-                self.tb.add_scalar(f"train/{k}", v, row["step"])
-        self.tb.flush()
+        self._log("train", row)
         return row
 
     def eval(self, e: dict) -> dict:
         row = {k: v for k, v in e.items() if k not in ("rewards", "values")}
         self._append(self.eval_path, row)
-        for k, v in row.items():
-            if k != "step" and isinstance(v, (int, float)) and v is not None and math.isfinite(v):
-                self.tb.add_scalar(f"eval/{k}", v, row["step"])
-        self.tb.flush()
+        self._log("eval", row)
         return row
 
     def drop_after(self, step: int) -> None:
         """Forget the rows of steps after ``step`` (redone after a learner restart)."""
-        for path in (self.metrics_path, self.eval_path):
+        for path in (self.metrics_path, self.eval_path, self.samples_path):
             self._truncate(path, step)
 
     def close(self):
         self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def _read_jsonl(path: str) -> list:
@@ -885,7 +950,9 @@ def _run(args, s: dict) -> dict:
                 resume_step = driver.step_idx
                 print(f"resumed from {s['ckpt']} at step {resume_step} (policy version {driver.learner_version})",
                       flush=True)
-            outputs = _Outputs(args.out, resume_step)
+            outputs = _Outputs(args.out, resume_step, args.report_to,
+                               config={k: _described(v) if callable(v) else v for k, v in vars(args).items()
+                                       if isinstance(v, (str, int, float, bool, list, type(None)))})
             ckpts = os.path.join(args.out, "checkpoints")
             last = {"eval": None, "save": None}
             policy = CheckpointPolicy(args.save_every or None, args.save_interval_s, args.keep_checkpoints)
@@ -903,6 +970,11 @@ def _run(args, s: dict) -> dict:
                 e = driver.evaluate(s["eval_set"])
                 e["accuracy"] = _accuracy(e, acc_name)
                 last["eval"] = driver.step_idx
+                n = min(args.eval_samples, len(e["rewards"]))
+                if n:
+                    texts = tokenizer.batch_decode(driver.last_eval_batch.responses()[:n], skip_special_tokens=True)
+                    outputs.samples(driver.step_idx, [s["eval_set"].text(i) for i in range(n)], texts,
+                                    e["rewards"][:n])
                 return outputs.eval(e)
 
             first_eval = evaluate() if resume_step is None else None

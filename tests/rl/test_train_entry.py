@@ -112,6 +112,11 @@ def test_train_runs_as_a_ray_job_and_writes_every_output(job_run, ray_driver, ru
     assert [e.step for e in acc.Scalars("train/reward_mean")] == [1, 2]
     assert [e.step for e in acc.Scalars("eval/accuracy")] == [0, 2]
     assert (out / "curves.png").stat().st_size > 5000
+    # sample completions of each evaluation (--eval-samples 4): prompt, completion, reward
+    samples = _read(out / "samples.jsonl")
+    assert [r["step"] for r in samples] == [0] * 4 + [2] * 4
+    assert all(r["prompt"].startswith("<|user|>") and isinstance(r["completion"], str) and
+               isinstance(r["reward"], float) for r in samples)
     for s in (1, 2):
         meta = json.loads((out / "checkpoints" / f"step_{s}" / "run.json").read_text())
         assert meta["step"] == s and meta["algo"] == "grpo"
@@ -447,3 +452,18 @@ def test_trainer_trains_with_a_callable_reward_on_rows(run_inputs, tmp_path, ray
     assert summary["steps"] == 1 and summary["train_steps_this_run"] == 1
     meta = json.loads((tmp_path / "o" / "checkpoints" / "step_1" / "run.json").read_text())
     assert meta["config"]["reward"] == [f"{__name__}:_digits"] and meta["data"].endswith(f"of {len(rows)} rows>")
+
+
+def test_report_to_is_checked_before_ray_starts(run_inputs, tmp_path):
+    import importlib.util
+
+    cfg = ["--config", str(run_inputs / "run.yaml"), "--out", str(tmp_path / "o")]
+    assert train.parse_args(cfg).report_to is None
+    args = train.parse_args(cfg)
+    train._setup(args)
+    assert args.report_to == ["tensorboard"]
+    with pytest.raises(train.TrainError, match=r"--report-to none goes alone, not with \['tensorboard'\]"):
+        train._setup(train.parse_args(cfg + ["--report-to", "none", "--report-to", "tensorboard"]))
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(train.TrainError, match="--report-to wandb needs the wandb package"):
+            train._setup(train.parse_args(cfg + ["--report-to", "wandb"]))
