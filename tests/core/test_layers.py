@@ -169,3 +169,29 @@ def test_the_scan_sees_function_level_and_relative_imports(tmp_path, monkeypatch
     (pkg / "b.py").write_text("def f():\n    from .a import x\n    return x\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert _cycles(_graph(["torchtpu_rl"])) == [["torchtpu_rl.a", "torchtpu_rl.b"]]
+
+
+# torchtpu_rl: the modules below the Ray layer (the learner, the rollout engine, rewards, scoring, checkpoints,
+# data) import neither Ray nor the modules that hold actors (driver, workers, topology, sharded_learner, train):
+# they run and are tested in one process.
+RL_RAY_LAYER = {"torchtpu_rl.driver", "torchtpu_rl.workers", "torchtpu_rl.topology", "torchtpu_rl.sharded_learner",
+                "torchtpu_rl.train"}
+RL_BELOW_RAY = ("algorithms", "rewards", "scoring", "checkpoint_policy", "checkpoint", "data", "learner", "lora",
+                "policy", "hf", "rollout")
+
+
+def _imports_ray(path: pathlib.Path) -> list:
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        lines += [node.lineno for n in names if n.split(".")[0] == "ray"]
+    return lines
+
+
+@pytest.mark.parametrize("name", RL_BELOW_RAY)
+def test_rl_modules_below_the_ray_layer_import_no_ray(name):
+    path = ROOT / "torchtpu_rl" / f"{name}.py"
+    up = [(m, line) for m, line in _imports(path) if m in RL_RAY_LAYER]
+    assert not up, f"torchtpu_rl.{name} imports the Ray layer: {up}"
+    assert not _imports_ray(path), f"torchtpu_rl.{name} imports ray at lines {_imports_ray(path)}"
