@@ -372,7 +372,7 @@ def _check_floats(args) -> None:
     need("grad_clip", lambda v: v >= 0, "a finite number >= 0 (0: no clipping)")
     need("temperature", lambda v: v > 0, "a finite number > 0 for training rollouts (evaluation is greedy)")
     need("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
-    need("rollout_is_threshold", lambda v: v > 0, "a finite number > 0")
+    need("rollout_is_threshold", lambda v: v > 0, "> 0 (a finite number)")
     need("lora_alpha", lambda v: v > 0, "a finite number > 0")
     need("save_interval_s", lambda v: v > 0, "a finite number of seconds > 0")
     need("reward_model_weight", lambda v: True, "a finite number")
