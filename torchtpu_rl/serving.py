@@ -68,6 +68,7 @@ __all__ = ["RequestOutput", "SampleOutput", "ServingEngine", "UPDATE_MODES", "sa
 
 UPDATE_MODES = ("finish", "abort", "continue")
 _M32 = 0xFFFFFFFF
+_RECOMPILE_LIMIT = 512  # slots x pages (x tokens) buckets x filtered: a few dozen programs in practice
 
 
 # ================================================================= per-row sampling
@@ -346,6 +347,8 @@ class ServingEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"ServingEngine.submit: params must be SamplingParams, not {type(params).__name__}")
         rid = f"req-{next(self._ids)}" if request_id is None else str(request_id)
+        if rid in self._requests:
+            raise ValueError(f"ServingEngine.submit: request id {rid!r} is already in flight")
         if operator.index(n) < 1:
             raise ValueError(f"ServingEngine.submit: request {rid!r}: n must be >= 1, not {n}")
         if isinstance(prompt, torch.Tensor):
@@ -599,7 +602,14 @@ class ServingEngine:
             return fn
         c = self._compiled.get(kind)
         if c is None:
-            c = self._compiled[kind] = torch.compile(fn, backend="tpu", dynamic=False)
+            compiled = torch.compile(fn, backend="tpu", dynamic=False)
+
+            def c(*args):
+                # one program per (rows, tokens, pages) bucket: more than Dynamo's default of 8 per function
+                with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                    return compiled(*args)
+
+            self._compiled[kind] = c
         return c
 
     def _masks(self, qpos, S):
@@ -690,7 +700,8 @@ class ServingEngine:
                     f.pages = s.pages[:full] + f.pages  # f.pages: its own copy of the partial page, if any
                     f.computed = len(f.tokens)
                 partial = [f for f in followers if len(f.tokens) % self.page_size]
-                self.cache.copy_pages([s.pages[full]] * len(partial), [f.pages[full] for f in partial])
+                if partial:
+                    self.cache.copy_pages([s.pages[full]] * len(partial), [f.pages[full] for f in partial])
                 self._c["forked"] += len(followers)
                 draws.extend(followers)
                 rows.extend([i] * len(followers))
