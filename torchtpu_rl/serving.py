@@ -19,7 +19,8 @@
   sequence is preempted: its pages are released and it is requeued at the front with the tokens
   it has, to be recomputed (one prefill) when pages free up. A request that could never fit the
   budget alone is refused at submit.
-- **Prefix sharing.** The samples of a request admitted together prefill the prompt once: they
+- **Prefix sharing.** Sequences of one prompt admitted together (the samples of a request, or
+  requests of the same prompt) prefill it once: they
   share its full pages (reference counts) and copy its last partial page (copy-on-write). Full
   token blocks of finished and preempted sequences go to an LRU prefix cache, so a prompt seen
   before (a group's later samples, a conversation's next turn) prefills only what is new.
@@ -329,6 +330,7 @@ class ServingEngine:
         self._pending: Optional[_PendingUpdate] = None
         self._draining: Optional[_PendingUpdate] = None
         self._compiled: dict = {}
+        self._generating = False
         self._counters()
         self.last_stats: dict = {}
 
@@ -337,6 +339,8 @@ class ServingEngine:
                        preemptions=0, forked=0)
         self._hit0 = self.prefix.hit_tokens
         self.pages.reset_peak()
+        self._t0 = time.perf_counter()
+        self._compiles0 = torchtpu.metrics.snapshot()["compiles"]
 
     # ------------------------------------------------------------ requests
     def submit(self, prompt, params: Optional[SamplingParams] = None, n: int = 1, request_id=None,
@@ -376,6 +380,8 @@ class ServingEngine:
         with self._lock:
             if rid in self._requests:
                 raise ValueError(f"ServingEngine.submit: request id {rid!r} is already in flight")
+            if not self._requests and not self._generating:
+                self._counters()  # an idle engine starts a new stream: last_stats covers it
             req = _Request(rid, prompt, params, int(n), self.seed if seed is None else int(seed), next(self._order))
             req.seqs = [_Seq(req, i, req.order) for i in range(req.n)]
             self._requests[rid] = req
@@ -401,15 +407,17 @@ class ServingEngine:
         return bool(self._requests)
 
     def stream(self) -> Iterator[RequestOutput]:
-        """Step until every submitted request is finished, yielding each as it finishes."""
+        """Step until every submitted request is finished, yielding each as it finishes;
+        ``last_stats`` then covers the requests since the engine was last idle."""
         while True:
-            with self._lock:
+            with self._lock, torch.no_grad():
                 if not self._finished and self._requests:
                     self._step()
                 out, self._finished = self._finished, []
+                if not out and not self._requests:
+                    self._record_stats()
+                    return
             yield from out
-            if not out and not self._requests:
-                return
 
     def step(self) -> list:
         """One engine step; returns the requests finished by it (and any not yet handed out)."""
@@ -436,10 +444,9 @@ class ServingEngine:
         for i, p in enumerate(prompts):
             key = tuple(p.tolist() if isinstance(p, torch.Tensor) else p)
             groups.setdefault(key, []).append(i)
-        t0 = time.perf_counter()
-        compiles0 = torchtpu.metrics.snapshot()["compiles"]
         with self._lock, torch.no_grad():
             self._counters()
+            self._generating = True
             ids = {}
             try:
                 for key, rows in groups.items():
@@ -448,6 +455,8 @@ class ServingEngine:
                 if ids:
                     self.abort(list(ids))
                 raise
+            finally:
+                self._generating = False
             done = {}
             while len(done) < len(ids):
                 for out in self._drive():
@@ -455,6 +464,7 @@ class ServingEngine:
                         done[out.request_id] = out
                     else:
                         self._finished.append(out)
+            self._record_stats()
         rows = [None] * len(prompts)
         for rid, out in done.items():
             for i, s in zip(ids[rid], out.samples):
@@ -463,7 +473,6 @@ class ServingEngine:
         if policy_version is not None:
             batch.policy_version.fill_(int(policy_version))
             batch.token_versions.fill_(int(policy_version))
-        self._record_stats(time.perf_counter() - t0, torchtpu.metrics.snapshot()["compiles"] - compiles0)
         return batch
 
     def _drive(self) -> list:
@@ -471,8 +480,10 @@ class ServingEngine:
         out, self._finished = self._finished, []
         return out
 
-    def _record_stats(self, seconds, compiles):
+    def _record_stats(self):
         c = self._c
+        seconds = time.perf_counter() - self._t0
+        compiles = torchtpu.metrics.snapshot()["compiles"] - self._compiles0
         self.last_stats = {
             "seconds": seconds, "useful_tokens": c["useful_tokens"], "response_tokens": c["useful_tokens"],
             "decode_rows": c["decode_rows"], "decode_steps": c["decode_steps"],
@@ -537,11 +548,14 @@ class ServingEngine:
             budget -= end - s.computed
         while self._waiting and budget > 0 and not draining and len(self._running) < self.max_slots:
             s = self._waiting[0]
-            leader = next((c[0] for c in chunks if c[0].req is s.req and c[0].generated == 0 == s.generated
-                           and c[2] == len(c[0].tokens)), None)
+            leader = None
+            if s.generated == 0:
+                leader = next((c[0] for c in chunks if c[0].generated == 0 and c[2] == len(c[0].tokens)
+                               and c[0].req.prompt == s.req.prompt), None)
             if leader is not None:
-                # a sample of a request admitted this step: shares the leader's prompt pages, and
-                # copies its last partial page (copy-on-write) once the prefill wrote it
+                # the same prompt as a sequence prefilled this step (a sample of its request, or another
+                # request of that prompt): shares its prompt pages, and copies its last partial page
+                # (copy-on-write) once the prefill wrote it
                 own = []
                 if len(s.tokens) % self.page_size:
                     p = self._alloc()
