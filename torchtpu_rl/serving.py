@@ -125,25 +125,64 @@ def sample_rows(logits, temperature, greedy, top_k, top_p, key, pos, filtered: b
     return tok, logp
 
 
-def _forward_logits(model, cache, input_ids, position_ids, masks, write_index, read_index):
-    """Last-position logits (B, V) of a paged forward of ``input_ids`` (B, T)."""
-    cache.set_indices(write_index, read_index)
-    out = model(input_ids=input_ids, attention_mask=masks, position_ids=position_ids, past_key_values=cache,
-                use_cache=True, logits_to_keep=1,
-                cache_position=torch.arange(input_ids.shape[1], device=input_ids.device))
+# Each step's host-built values travel as one int64 tensor (ints) and one float32 tensor (floats) per
+# program, one transfer each; the programs slice them (static offsets) and build the read index and
+# masks on the device. Row layout of ``ints``: tokens[T] | positions[T] (-1: padding) | write slots[T]
+# | block table[pages] | top_k | stream key | draw position | greedy; of ``floats``: temperature | top_p.
+_SAMPLING_INTS = 4
+
+
+def _masks(qpos, S: int, kinds: tuple, window, additive: bool):
+    """(B, 1, T, S) masks: the query at position ``qpos[b, t]`` (-1: padding) reads positions
+    ``j <= qpos`` (sliding layers: also ``j > qpos - window``); a dict per layer kind when the model
+    mixes kinds (the form Hugging Face models take ready-made masks in)."""
+    j = torch.arange(S, device=qpos.device)
+    q = qpos[:, None, :, None]
+    full = (j <= q) | ((q < 0) & (j == 0))  # a padding query reads one scratch slot: its softmax stays finite
+    out = {}
+    for kind in kinds:
+        m = full
+        if kind == "sliding_attention" and window:
+            m = m & ((j > q - window) | (q < 0))
+        if additive:  # eager attention adds its mask
+            m = torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill(
+                ~m, torch.finfo(torch.float32).min)
+        out[kind] = m
+    return out[kinds[0]] if len(kinds) == 1 else out
+
+
+def _sampling_args(ints, floats):
+    k, key, pos, greedy = (ints[:, i] for i in range(-_SAMPLING_INTS, 0))
+    return floats[:, 0], greedy.bool(), k, floats[:, 1], key, pos
+
+
+def _forward_logits(model, cache, ints, T: int, pages: int, page_size: int, kinds: tuple, window, additive: bool):
+    """Last-position logits (B, V) of a paged forward of the B rows of T tokens packed in ``ints``."""
+    ids, qpos, write = ints[:, :T], ints[:, T:2 * T], ints[:, 2 * T:3 * T]
+    table = ints[:, 3 * T:3 * T + pages]
+    col = torch.arange(pages * page_size, device=ints.device)
+    read = table.index_select(1, col // page_size) * page_size + col % page_size
+    cache.set_indices(write.reshape(-1), read)
+    out = model(input_ids=ids, attention_mask=_masks(qpos, pages * page_size, kinds, window, additive),
+                position_ids=qpos.clamp(min=0), past_key_values=cache, use_cache=True, logits_to_keep=1,
+                cache_position=torch.arange(T, device=ints.device))
     return out.logits[:, -1]
 
 
-def _forward_sample(model, cache, input_ids, position_ids, masks, write_index, read_index, temperature, greedy,
-                    top_k, top_p, key, pos, filtered):
+def _draw(logits, ints, floats, filtered):
+    tok, logp = sample_rows(logits, *_sampling_args(ints, floats), filtered)
+    return torch.stack([tok.to(torch.float32), logp])  # one transfer back (token ids < 2**24 are exact)
+
+
+def _decode_program(model, cache, ints, floats, T, pages, page_size, kinds, window, additive, filtered):
     """A decode step: the forward and a draw for every row, one program."""
-    logits = _forward_logits(model, cache, input_ids, position_ids, masks, write_index, read_index)
-    return sample_rows(logits, temperature, greedy, top_k, top_p, key, pos, filtered)
+    logits = _forward_logits(model, cache, ints, T, pages, page_size, kinds, window, additive)
+    return _draw(logits, ints, floats, filtered)
 
 
-def _gather_sample(logits, rows, temperature, greedy, top_k, top_p, key, pos, filtered):
-    """Draws for ``rows`` (indices into ``logits``' rows): a prefill's samples, several per prompt."""
-    return sample_rows(logits.index_select(0, rows), temperature, greedy, top_k, top_p, key, pos, filtered)
+def _sample_program(logits, ints, floats, filtered):
+    """A prefill's draws: rows ``ints[:, 0]`` of ``logits``, several per prompt."""
+    return _draw(logits.index_select(0, ints[:, 0]), ints, floats, filtered)
 
 
 # ================================================================= requests and outputs
@@ -611,7 +650,7 @@ class ServingEngine:
 
     # ------------------------------------------------------------ device steps
     def _fn(self, kind):
-        fn = {"decode": _forward_sample, "prefill": _forward_logits, "sample": _gather_sample}[kind]
+        fn = {"decode": _decode_program, "prefill": _forward_logits, "sample": _sample_program}[kind]
         if not self.compile:
             return fn
         c = self._compiled.get(kind)
@@ -626,52 +665,35 @@ class ServingEngine:
             self._compiled[kind] = c
         return c
 
-    def _masks(self, qpos, S):
-        """(B, 1, T, S) masks: the query at position ``qpos[b, t]`` (-1: padding) reads positions
-        ``j <= qpos`` (sliding layers: also ``j > qpos - window``); a dict per layer kind when the model
-        mixes kinds."""
-        j = torch.arange(S)
-        q = qpos[:, None, :, None]
-        full = (j <= q) | ((q < 0) & (j == 0))  # a padding query reads one scratch slot: its softmax stays finite
-        kinds = sorted(set(self.layer_types))
-        out = {}
-        for kind in kinds:
-            m = full
-            if kind == "sliding_attention" and self.sliding_window:
-                m = m & ((j > q - self.sliding_window) | (q < 0))
-            if self._eager_mask:  # eager attention adds its mask
-                m = torch.zeros(m.shape, dtype=torch.float32).masked_fill(~m, torch.finfo(torch.float32).min)
-            out[kind] = m.to(self.device)
-        return out[kinds[0]] if len(kinds) == 1 else out
-
-    def _read_index(self, seqs, B):
-        """(B, pages bucket * page_size) slots of each row's positions, through its block table."""
-        nP = self.page_buckets.bucket(max(len(s.pages) for s in seqs))
-        table = torch.full((B, nP), SCRATCH_PAGE, dtype=torch.int64)
-        for i, s in enumerate(seqs):
-            table[i, :len(s.pages)] = torch.tensor(s.pages, dtype=torch.int64)
-        col = torch.arange(nP * self.page_size)
-        return table[:, col // self.page_size] * self.page_size + col % self.page_size, nP
+    def _pack(self, seqs, B, tokens, write, pages):
+        """``ints``/``floats`` of a step (layout above ``_masks``): ``tokens`` (B, 2T) token ids and positions,
+        ``write`` (B, T) slots, the block tables padded to ``pages``, and each row's sampling values."""
+        T = write.shape[1]
+        table = [s.pages + [SCRATCH_PAGE] * (pages - len(s.pages)) for s in seqs]
+        table += [[SCRATCH_PAGE] * pages] * (B - len(seqs))
+        samp, floats = self._sampling(seqs, B)
+        ints = torch.cat([tokens, write, torch.tensor(table, dtype=torch.int64).reshape(B, pages), samp], 1)
+        return ints, floats, any(self._filtered(s) for s in seqs)
 
     def _sampling(self, seqs, B):
-        """Per-row sampling tensors of ``seqs`` (padding rows greedy) on the device, and whether any row
-        needs the top-k/top-p filter."""
-        temp = torch.zeros(B)
-        greedy = torch.ones(B, dtype=torch.bool)
-        top_k = torch.zeros(B, dtype=torch.int64)
-        top_p = torch.full((B,), 2.0)
-        key = torch.zeros(B, dtype=torch.int64)
-        pos = torch.zeros(B, dtype=torch.int64)
-        filtered = False
-        for i, s in enumerate(seqs):
+        """(B, 4) int64 top_k | stream key | draw position | greedy, and (B, 2) float32 temperature | top_p
+        (padding rows greedy)."""
+        ints, floats = [], []
+        for s in seqs:
             sp = s.req.params
-            temp[i], greedy[i], top_k[i] = sp.temperature, sp.greedy, sp.top_k
-            top_p[i] = sp.top_p if sp.top_p < 1.0 else 2.0  # > 1: off, whatever the rounding of the cumsum
-            filtered |= (not sp.greedy) and (sp.top_k > 0 or sp.top_p < 1.0)
-            key[i] = s.key
-            pos[i] = len(s.tokens)  # the position of the token drawn
-        d = self.device
-        return (temp.to(d), greedy.to(d), top_k.to(d), top_p.to(d), key.to(d), pos.to(d)), filtered
+            ints.append((sp.top_k, s.key, len(s.tokens), int(sp.greedy)))
+            floats.append((sp.temperature, sp.top_p if sp.top_p < 1.0 else 2.0))  # > 1: off, whatever the rounding
+        ints += [(0, 0, 0, 1)] * (B - len(seqs))
+        floats += [(0.0, 2.0)] * (B - len(seqs))
+        return torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float32)
+
+    @staticmethod
+    def _filtered(s) -> bool:
+        sp = s.req.params
+        return (not sp.greedy) and (sp.top_k > 0 or sp.top_p < 1.0)
+
+    def _static(self):
+        return self.page_size, tuple(sorted(set(self.layer_types))), self.sliding_window, self._eager_mask
 
     def _slots(self, s, positions):
         return [s.pages[p // self.page_size] * self.page_size + p % self.page_size for p in positions]
@@ -682,23 +704,22 @@ class ServingEngine:
         n = len(chunks)
         B = self.slot_buckets.bucket(n)
         T = self.token_buckets.bucket(max(e - b for _, b, e in chunks))
-        ids = torch.full((B, T), self.pad_id, dtype=torch.int64)
-        qpos = torch.full((B, T), -1, dtype=torch.int64)
+        tokens = torch.full((B, 2 * T), -1, dtype=torch.int64)
+        tokens[:, :T] = self.pad_id
         write = torch.zeros((B, T), dtype=torch.int64)  # padding writes the scratch page
         for i, (s, b, e) in enumerate(chunks):
             L = e - b
-            ids[i, T - L:] = torch.tensor(s.tokens[b:e], dtype=torch.int64)
-            qpos[i, T - L:] = torch.arange(b, e)
+            tokens[i, T - L:T] = torch.tensor(s.tokens[b:e], dtype=torch.int64)
+            tokens[i, 2 * T - L:] = torch.arange(b, e)
             write[i, T - L:] = torch.tensor(self._slots(s, range(b, e)), dtype=torch.int64)
             self._c["prefill_tokens"] += L
             s.computed = e
         seqs = [s for s, _, _ in chunks]
-        read, nP = self._read_index(seqs, B)
+        nP = self.page_buckets.bucket(max(len(s.pages) for s in seqs))
+        ints, _, _ = self._pack(seqs, B, tokens, write, nP)
         d = self.device
         with bucketing.bucket_scope(slots=B, tokens=T, pages=nP):
-            logits = self._fn("prefill")(self.model, self.cache, ids.to(d), qpos.clamp(min=0).to(d),
-                                         self._masks(qpos, nP * self.page_size), write.reshape(-1).to(d),
-                                         read.to(d))
+            logits = self._fn("prefill")(self.model, self.cache, ints.to(d), T, nP, *self._static())
         draws, rows = [], []
         for i, (s, b, e) in enumerate(chunks):
             if e < len(s.tokens):
@@ -724,12 +745,14 @@ class ServingEngine:
         if not draws:
             return
         Bs = self.slot_buckets.bucket(len(draws))
-        idx = torch.zeros(Bs, dtype=torch.int64)
-        idx[:len(rows)] = torch.tensor(rows, dtype=torch.int64)
-        sp, filtered = self._sampling(draws, Bs)
+        samp, floats = self._sampling(draws, Bs)
+        idx = torch.zeros((Bs, 1), dtype=torch.int64)
+        idx[:len(rows), 0] = torch.tensor(rows, dtype=torch.int64)
+        ints = torch.cat([idx, samp], 1)
+        filtered = any(self._filtered(s) for s in draws)
         with bucketing.bucket_scope(slots=Bs, rows=B):
-            tok, logp = self._fn("sample")(logits, idx.to(d), *sp, filtered)
-        tok, logp = tok.cpu().tolist(), logp.cpu().tolist()
+            out = self._fn("sample")(logits, ints.to(d), floats.to(d), filtered).cpu()
+        tok, logp = out[0].long().tolist(), out[1].tolist()
         for i, s in enumerate(draws):
             self._append(s, tok[i], logp[i])
 
@@ -737,24 +760,23 @@ class ServingEngine:
         """One token for every row: feed each row's last token (position len - 1)."""
         n = len(seqs)
         B = self.slot_buckets.bucket(n)
-        ids = torch.full((B, 1), self.pad_id, dtype=torch.int64)
-        qpos = torch.full((B, 1), -1, dtype=torch.int64)
+        tokens = torch.full((B, 2), -1, dtype=torch.int64)
+        tokens[:, 0] = self.pad_id
         write = torch.zeros((B, 1), dtype=torch.int64)
         for i, s in enumerate(seqs):
             p = len(s.tokens) - 1
-            ids[i, 0], qpos[i, 0] = s.tokens[p], p
+            tokens[i, 0], tokens[i, 1] = s.tokens[p], p
             write[i, 0] = self._slots(s, [p])[0]
             s.computed = len(s.tokens)
         self._c["decode_rows"] += B
         self._c["decode_steps"] += 1
-        read, nP = self._read_index(seqs, B)
-        sp, filtered = self._sampling(seqs, B)
+        nP = self.page_buckets.bucket(max(len(s.pages) for s in seqs))
+        ints, floats, filtered = self._pack(seqs, B, tokens, write, nP)
         d = self.device
         with bucketing.bucket_scope(slots=B, pages=nP):
-            tok, logp = self._fn("decode")(self.model, self.cache, ids.to(d), qpos.clamp(min=0).to(d),
-                                           self._masks(qpos, nP * self.page_size), write.reshape(-1).to(d),
-                                           read.to(d), *sp, filtered)
-        tok, logp = tok.cpu().tolist(), logp.cpu().tolist()
+            out = self._fn("decode")(self.model, self.cache, ints.to(d), floats.to(d), 1, nP, *self._static(),
+                                     filtered).cpu()
+        tok, logp = out[0].long().tolist(), out[1].tolist()
         self._c["decode_useful"] += n
         for i, s in enumerate(seqs):
             self._append(s, tok[i], logp[i])
