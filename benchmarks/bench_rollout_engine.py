@@ -112,6 +112,7 @@ def main():
                             kv_pages=kv_pages, device=device, compile=device == "tpu")
 
         def run():
+            eng.drop_cache()  # every call is a fresh GRPO step: no prompt was seen before
             for i, (q, n) in enumerate(seqs):
                 eng.submit(q, SamplingParams(max_new_tokens=n, temperature=1.0), request_id=f"s{i}")
             outs = list(eng.stream())

@@ -562,6 +562,16 @@ class ServingEngine:
         s.pages.extend(got)
         return True
 
+    def _make_room(self, s: _Seq, tokens: int) -> bool:
+        """Pages for ``s``'s first ``tokens`` positions, preempting the most recently admitted running
+        sequences while they run out; False if ``s`` itself was the one preempted."""
+        while not self._grow(s, tokens):
+            victim = max(self._running, key=lambda q: q.order)
+            self._preempt(victim)
+            if victim is s:
+                return False
+        return True
+
     def _preempt(self, s: _Seq) -> None:
         self._release(s, cache_blocks=True)
         s.state = "waiting"
@@ -582,9 +592,14 @@ class ServingEngine:
         for s in prefilling:  # prompts whose prefill continues
             if budget <= 0:
                 break
+            if s.state != "running":
+                continue  # preempted below to make room for an older one
             end = min(len(s.tokens), s.computed + budget)
+            if not self._make_room(s, end):
+                continue
+            chunks = [c for c in chunks if c[0].state == "running"]
             chunks.append((s, s.computed, end))
-            budget -= end - s.computed
+            budget = self.prefill_tokens_per_step - sum(e - b for _, b, e in chunks)
         while self._waiting and budget > 0 and not draining and len(self._running) < self.max_slots:
             s = self._waiting[0]
             leader = None
@@ -629,12 +644,7 @@ class ServingEngine:
         for s in rows:
             if s.state != "running":
                 continue  # preempted while making room for an older one
-            while not self._grow(s, len(s.tokens)):
-                victim = max((q for q in self._running if q.state == "running"), key=lambda q: q.order)
-                self._preempt(victim)
-                if victim is s:
-                    break
-            if s.state == "running":
+            if self._make_room(s, len(s.tokens)):
                 ready.append(s)
         ready = [s for s in ready if s.state == "running"]
         if ready:
@@ -821,6 +831,11 @@ class ServingEngine:
     @property
     def paused(self) -> bool:
         return self._paused_by is not None
+
+    def drop_cache(self) -> None:
+        """Forget the prefix cache (its pages go back to the pool)."""
+        with self._lock:
+            self.prefix.clear()
 
     def sync_reference(self) -> dict:
         return self.model.state_dict()

@@ -22,7 +22,7 @@ from torchtpu_rl.serving import ServingEngine, sample_rows, stream_uniform
 VOCAB = 96
 PROMPTS = [[5, 17, 33, 8, 61, 9, 70], [44, 12, 90], [3, 3, 81, 27, 50], [66], [44, 12, 90],
            [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21]]
-STATIC = dict(prompt_buckets=BucketPolicy.pow2(8, 32), response_buckets=BucketPolicy.pow2(8, 32))
+STATIC = dict(prompt_buckets=BucketPolicy.pow2(8, 64), response_buckets=BucketPolicy.pow2(8, 32))
 
 
 def _model(family="qwen2", seed=0):
@@ -76,6 +76,25 @@ def test_slots_refill_as_sequences_finish():
     assert order.index("r0") < order.index("r1")  # r0 (2 tokens) ends first; r2 takes its slot
     batch = eng.generate([[10, 11, 12]] * 1 + [[13, 14]], SamplingParams(max_new_tokens=4, temperature=0.0))
     assert batch.response_lengths.tolist() == [4, 4]
+
+
+def test_chunked_prefill_keeps_decoding():
+    """A prompt longer than the step's token budget is prefilled over several steps while running
+    sequences keep decoding one token a step; the tokens are those of an unchunked run."""
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    long_prompt = list(range(3, 40))
+    eng = _engine(max_slots=4, page_size=4, prefill_tokens_per_step=5)
+    eng.submit([5, 6, 7], params, request_id="short")
+    eng.step()
+    eng.submit(long_prompt, params, request_id="long")
+    short = eng._requests["short"].seqs[0]
+    for k in range(5):  # 37 tokens at 5 a step: the long prompt is still prefilling
+        before = short.generated
+        eng.step()
+        assert short.generated == before + 1
+    outs = {o.request_id: o for o in eng.stream()}
+    ref = _reference("qwen2", [[5, 6, 7], long_prompt], params)
+    assert [outs["short"].samples[0].tokens, outs["long"].samples[0].tokens] == ref.responses()
 
 
 # ================================================================= sampling streams
