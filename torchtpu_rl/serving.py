@@ -905,6 +905,7 @@ class ServingEngine:
             else:
                 if upd.mode == "abort":
                     for s in list(self._running):
+                        self._c["useful_tokens"] -= s.generated  # recomputed under the new weights
                         self._release(s)
                         del s.tokens[len(s.req.prompt):]
                         s.logprobs.clear()

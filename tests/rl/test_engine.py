@@ -400,4 +400,15 @@ def test_compiled_on_tpu_matches_and_compiles_nothing_in_steady_state():
     again = eng.generate(prompts, params)
     assert eng.last_stats["compiles"] == 0
     assert torch.equal(again.response_ids, first.response_ids)
+    # sampled: the device-side stream hash draws on XLA what it draws on torch's cpu
+    sampled = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=30)
+    cpu = _engine(max_slots=4, page_size=8)
+    outs = []
+    for e in (eng, cpu):
+        for i, p in enumerate(prompts):
+            e.submit(p, sampled, request_id=f"t{i}", seed=11)
+        outs.append({o.request_id: o.samples[0] for o in e.stream()})
+    for rid, s in outs[0].items():
+        assert s.tokens == outs[1][rid].tokens
+        torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(outs[1][rid].logprobs), atol=1e-5, rtol=0)
     assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == {}
