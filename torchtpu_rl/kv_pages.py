@@ -94,7 +94,8 @@ class PageAllocator:
 
 class PrefixCache:
     """Pages of full token blocks seen before, keyed by the whole prefix up to and including the
-    block (a chain of ``(parent key, block tokens)``: exact, no hash collisions). The cache holds
+    block (a chain of ``(parent key, block tokens)``: exact, no hash collisions), and copies of whole
+    prompts' last blocks (so a later sample of a prompt recomputes only its last token). The cache holds
     one reference to each page; an entry whose page nobody else holds can be evicted, least
     recently used first (a parent is kept more recent than its children, so a chain is evicted from
     its tail and a cached block is always reachable)."""
@@ -142,6 +143,31 @@ class PrefixCache:
                 self.alloc.incref(p)
         for key in reversed(keys):
             self._entries.move_to_end(key)
+
+    def insert_tail(self, tokens, page: int) -> bool:
+        """Remember ``page``, a copy of the page holding ``tokens``' last (partial or full) block, taking
+        over the caller's reference; False (the reference stays the caller's) when it is already cached."""
+        full = (len(tokens) - 1) // self.alloc.page_size
+        key = self._tail_key(tokens, full)
+        if key in self._entries:
+            return False
+        self._entries[key] = page
+        return True
+
+    def lookup_tail(self, tokens, full: int) -> Optional[int]:
+        """The cached copy of ``tokens``' last block (after its ``full`` full blocks), or None. The page
+        stays the cache's: the caller copies it (its own copy-on-write page)."""
+        key = self._tail_key(tokens, full)
+        p = self._entries.get(key)
+        if p is not None:
+            self._entries.move_to_end(key)
+        return p
+
+    def _tail_key(self, tokens, full):
+        parent = None
+        for parent in self._keys(tokens, full):
+            pass
+        return ("tail", parent, tuple(tokens[full * self.alloc.page_size:]))
 
     def evict_one(self) -> bool:
         """Free the least recently used page only the cache holds; False when there is none."""

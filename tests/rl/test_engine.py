@@ -166,6 +166,21 @@ def test_group_prefills_its_prompt_once():
     assert eng.last_stats["prefill_tokens"] == 1
 
 
+def test_group_larger_than_the_slots_recomputes_one_token_per_later_sample():
+    prompt = list(range(3, 3 + 21))
+    params = SamplingParams(max_new_tokens=5, temperature=1.0)
+    eng = _engine(max_slots=3, page_size=4)
+    out = eng.generate([prompt] * 8, params)
+    # 3 samples prefill together (21 tokens once); each later admission copies the cached last block
+    # and computes one token (samples admitted in the same step fork from it)
+    waves = eng.last_stats["prefill_tokens"] - len(prompt)
+    assert 1 <= waves <= 5
+    assert eng.last_stats["prefix_hit_tokens"] == waves * (len(prompt) - 1)
+    ample = _engine(max_slots=8, page_size=4).generate([prompt] * 8, params)
+    assert torch.equal(out.response_ids, ample.response_ids)
+    torch.testing.assert_close(out.logprobs, ample.logprobs, atol=1e-5, rtol=0)
+
+
 def test_prefix_cache_serves_the_next_turn():
     eng = _engine(max_slots=4, page_size=4)
     params = SamplingParams(max_new_tokens=8, temperature=0.0)
@@ -214,9 +229,10 @@ def test_preemption_under_a_tiny_budget_gives_the_same_tokens(temperature):
 def test_kv_pages_are_what_sequences_hold():
     eng = _engine(max_slots=16, page_size=8)
     eng.generate([[5, 6, 7]] * 4 + [[9]], SamplingParams(max_new_tokens=5, temperature=0.0))
-    # 3 + 5 tokens: one page each, the group's shared nothing but a copied partial page
-    assert eng.last_stats["kv_pages_peak"] == 5
-    assert eng.last_stats["kv_bytes_peak"] == 5 * 8 * eng.token_bytes
+    # 3 + 5 tokens: one page a sequence (the group shares no full page, each copies the partial
+    # one), and the prefix cache's copy of each prompt's last block
+    assert eng.last_stats["kv_pages_peak"] == 5 + 2
+    assert eng.last_stats["kv_bytes_peak"] == 7 * 8 * eng.token_bytes
     assert eng.pages.used == len(eng.prefix)  # after the call only the prefix cache holds pages
 
 
