@@ -20,17 +20,19 @@
   it has, to be recomputed (one prefill) when pages free up. A request that could never fit the
   budget alone is refused at submit.
 - **Prefix sharing.** Sequences of one prompt admitted together (the samples of a request, or
-  requests of the same prompt) prefill it once: they
-  share its full pages (reference counts) and copy its last partial page (copy-on-write). Full
-  token blocks of finished and preempted sequences go to an LRU prefix cache, so a prompt seen
-  before (a group's later samples, a conversation's next turn) prefills only what is new.
+  requests of the same prompt) prefill it once: they share its full pages (reference counts) and
+  copy its last partial page (copy-on-write). Full token blocks of prefilled, finished and
+  preempted sequences go to an LRU prefix cache, with a copy of each prompt's last block, so a
+  prompt seen before (a group's later samples when slots are short, a conversation's next turn)
+  prefills only what is new (one token for a whole prompt seen before).
 - **Sampling** is per row (each request its own temperature/top-k/top-p) and its Gumbel noise is a
   counter-based hash of (request seed, request id, sample index, position) computed on the
   device: a request's tokens do not depend on which requests shared its batch, or on preemption.
 - **Shapes.** Every device program is one of (rows bucket, pages bucket) for decode and (rows
-  bucket, tokens bucket, pages bucket) for prefill; the step's indices and masks are built on the
-  host and sent as tensors, never baked into a program. With ``compile=True`` (default on tpu) a
-  forward plus sampling is one ``torch.compile(backend="tpu")`` program per shape.
+  bucket, tokens bucket, pages bucket) for prefill; the step's tokens, positions, slots, block
+  tables and sampling values are sent as two tensors, never baked into a program, and the read
+  index and masks are built inside it. With ``compile=True`` (default on tpu) a decode step
+  (forward and sampling) is one ``torch.compile(backend="tpu")`` program per shape.
 - **Weight updates in flight** (:meth:`ServingEngine.update_weights`): ``mode="finish"`` lets
   running sequences finish first (waiting ones start under the new weights), ``"abort"`` requeues
   every in-flight sequence from its prompt, ``"continue"`` keeps them going under the new weights.
@@ -385,8 +387,8 @@ class ServingEngine:
         self.last_stats: dict = {}
 
     def _counters(self):
-        self._c = dict(useful_tokens=0, decode_useful=0, tail_hit_tokens=0, decode_rows=0, decode_steps=0, prefill_tokens=0, prefill_rows=0,
-                       preemptions=0, forked=0)
+        self._c = dict(useful_tokens=0, decode_useful=0, tail_hit_tokens=0, decode_rows=0, decode_steps=0,
+                       prefill_tokens=0, preemptions=0, forked=0)
         self._hit0 = self.prefix.hit_tokens
         self.pages.reset_peak()
         self._t0 = time.perf_counter()
@@ -539,7 +541,8 @@ class ServingEngine:
             "decode_rows": c["decode_rows"], "decode_steps": c["decode_steps"],
             # the share of decode rows computed whose token was kept (padding rows and bucket slack count)
             "row_utilization": c["decode_useful"] / c["decode_rows"] if c["decode_rows"] else float("nan"),
-            "prefill_tokens": c["prefill_tokens"], "prefix_hit_tokens": self.prefix.hit_tokens - self._hit0 + c["tail_hit_tokens"],
+            "prefill_tokens": c["prefill_tokens"],
+            "prefix_hit_tokens": self.prefix.hit_tokens - self._hit0 + c["tail_hit_tokens"],
             "forked_samples": c["forked"], "kv_pages_peak": self.pages.peak,
             "kv_bytes_peak": self.pages.peak * self.page_size * self.token_bytes,
             "preemptions": c["preemptions"], "compiles": compiles,
