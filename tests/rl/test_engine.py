@@ -428,3 +428,18 @@ def test_compiled_on_tpu_matches_and_compiles_nothing_in_steady_state():
         assert s.tokens == outs[1][rid].tokens
         torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(outs[1][rid].logprobs), atol=1e-5, rtol=0)
     assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == {}
+
+
+def test_rollout_batch_token_versions_travel_with_the_rows():
+    eng = _engine(max_slots=4, page_size=4)
+    a = eng.generate(PROMPTS[:3], SamplingParams(max_new_tokens=4, temperature=0.0))
+    b = RolloutEngine(_model(), 0, device="cpu", **STATIC).generate(PROMPTS[3:5], SamplingParams(max_new_tokens=6, temperature=0.0))
+    assert b.token_versions is None
+    both = type(a).concat([a, b])
+    assert both.token_versions.shape == both.response_ids.shape
+    assert torch.equal(both.token_versions[3:], torch.zeros(2, 6, dtype=torch.int64))
+    assert torch.equal(both.select([0, 4]).token_versions, both.token_versions[[0, 4]])
+    again = type(a).from_state(both.state())
+    assert torch.equal(again.token_versions, both.token_versions)
+    with pytest.raises(ValueError, match="token_versions"):
+        type(a)(**{**a.state(), "token_versions": torch.zeros(1, 1, dtype=torch.int64)})
