@@ -930,8 +930,8 @@ class ServingEngine:
             if upd.mode == "finish":
                 self._draining = upd
             else:
-                if upd.mode == "abort":
-                    for s in list(self._running):
+                if upd.mode == "abort":  # running and preempted sequences restart from their prompts
+                    for s in self._running + [q for q in self._waiting if q.generated]:
                         self._c["useful_tokens"] -= s.generated  # recomputed under the new weights
                         self._release(s)
                         del s.tokens[len(s.req.prompt):]
