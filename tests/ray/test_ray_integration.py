@@ -367,3 +367,15 @@ def test_auth_modes_are_checked():
         ri.LocalHead("/tmp/rt_badauth", auth="none")
     with pytest.warns(RuntimeWarning, match="WITHOUT token authentication"):
         ri.cluster.resolve_auth("disabled")
+
+
+def test_a_head_removes_the_private_run_dir_it_made():
+    import uuid
+
+    run_dir = f"/tmp/rt_own{uuid.uuid4().hex[:6]}"  # what torchtpu_rl's ray_session makes (rt_rl*)
+    with ri.local_head(run_dir, num_cpus=1, include_dashboard=False) as head:
+        assert os.stat(run_dir).st_mode & 0o777 == 0o700
+        assert os.stat(head.token_path).st_mode & 0o777 == 0o600
+        # Ray's own temp dir inside it is world-writable (Ray's choice), unreachable through the private parent
+        assert os.path.isdir(os.path.join(run_dir, "r"))
+    assert not os.path.exists(run_dir)
