@@ -19,6 +19,17 @@ layout). 26 categorical features, one table each, 13 dense features.
     python -m ray_integration head start                          # then, through the local head (docs/ray.md):
     ray job submit --address http://127.0.0.1:<dashboard port> --working-dir . -- python examples/dlrm.py
 
+torchrec_dlrm's ``dlrm_main.py`` flag names work beside ours (same meaning, same checks), so its command
+lines carry over: ``--embedding_dim``, ``--num_embeddings``, ``--num_embeddings_per_feature``,
+``--dense_arch_layer_sizes``, ``--over_arch_layer_sizes``, ``--interaction_type original|dcn|projection``,
+``--dcn_num_layers``, ``--dcn_low_rank_dim``, ``--interaction_branch1_layer_sizes``,
+``--interaction_branch2_layer_sizes``, ``--batch_size``, ``--learning_rate``, ``--limit_train_batches``,
+``--limit_val_batches``, ``--in_memory_binary_criteo_path``, ``--synthetic_multi_hot_criteo_path``,
+``--seed``; e.g.
+
+    python examples/dlrm.py --embedding_dim 16 --num_embeddings_per_feature 1000,500,... (26) \
+        --dense_arch_layer_sizes 64,16 --over_arch_layer_sizes 64,1 --interaction_type dcn --batch_size 256
+
 Writes ``metrics.json`` and ``dlrm.png`` (loss and held-out AUC curves) to ``--out``; exits non-zero if the
 final held-out AUC is not above ``--min-auc``.
 """
@@ -39,25 +50,101 @@ import torch
 import torch.multiprocessing as mp
 
 
+def _int_list(text: str):
+    """torchrec_dlrm's comma-separated int lists ("512,256,64")."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out or any(v <= 0 for v in out):
+        raise argparse.ArgumentTypeError(f"expected positive comma-separated integers, got {text!r}")
+    return out
+
+
+# torchrec_dlrm's --interaction_type -> ours --model
+_INTERACTIONS = {"original": "dlrm", "dcn": "dcn", "projection": "projection"}
+
+
 def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/dlrm", help="where metrics.json and dlrm.png go")
-    p.add_argument("--model", default="dcn", choices=["dcn", "dlrm"], help="DLRM_DCN (DCNv2) or DLRM")
+    p.add_argument("--model", default="dcn", choices=["dcn", "dlrm", "projection"],
+                   help="DLRM_DCN (DCNv2), DLRM or DLRM_Projection")
+    p.add_argument("--interaction_type", choices=sorted(_INTERACTIONS), default=None,
+                   help="torchrec_dlrm's name for --model (original = dlrm)")
     p.add_argument("--layout", default="npy", choices=["tsv", "npy", "multi_hot"], help="Criteo file layout")
     p.add_argument("--data-dir", default=None, help="Criteo-format files (default: <out>/criteo, written if absent)")
-    p.add_argument("--steps", type=int, default=80)
-    p.add_argument("--batch-size", type=int, default=256, help="per process")
-    p.add_argument("--rows", type=int, default=1000, help="rows per embedding table (ids are hashed into them)")
-    p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--lr", type=float, default=0.05, help="fused Adagrad lr of the tables")
+    p.add_argument("--in_memory_binary_criteo_path", default=None,
+                   help="torchrec_dlrm: TorchRec's npy layout in this directory (= --layout npy --data-dir)")
+    p.add_argument("--synthetic_multi_hot_criteo_path", default=None,
+                   help="torchrec_dlrm: the multi-hot layout in this directory (= --layout multi_hot --data-dir)")
+    p.add_argument("--steps", "--limit_train_batches", dest="steps", type=int, default=80)
+    p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, default=256, help="per process")
+    p.add_argument("--rows", "--num_embeddings", dest="rows", type=int, default=1000,
+                   help="rows per embedding table (ids are hashed into them)")
+    p.add_argument("--num_embeddings_per_feature", type=_int_list, default=None,
+                   help="rows of each of the 26 tables, comma-separated (overrides --rows)")
+    p.add_argument("--dim", "--embedding_dim", dest="dim", type=int, default=16)
+    p.add_argument("--dense_arch_layer_sizes", type=_int_list, default=None,
+                   help="dense MLP sizes, the last = the embedding dim (default: 64,<dim>)")
+    p.add_argument("--over_arch_layer_sizes", type=_int_list, default=None,
+                   help="over MLP sizes, the last = 1 (default: 64,1)")
+    p.add_argument("--dcn_num_layers", type=int, default=3)
+    p.add_argument("--dcn_low_rank_dim", type=int, default=16)
+    p.add_argument("--interaction_branch1_layer_sizes", type=_int_list, default=None,
+                   help="projection interaction, branch 1 MLP (default: 64,<dim * 4>)")
+    p.add_argument("--interaction_branch2_layer_sizes", type=_int_list, default=None,
+                   help="projection interaction, branch 2 MLP (default: 64,<dim * 4>)")
+    p.add_argument("--lr", "--learning_rate", dest="lr", type=float, default=0.05,
+                   help="fused Adagrad lr of the tables")
     p.add_argument("--dense-lr", type=float, default=3e-3, help="Adam lr of the dense part")
     p.add_argument("--eval-every", type=int, default=20)
-    p.add_argument("--eval-batches", type=int, default=4, help="held-out batches per process per evaluation")
+    p.add_argument("--eval-batches", "--limit_val_batches", dest="eval_batches", type=int, default=4,
+                   help="held-out batches per process per evaluation")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-auc", type=float, default=0.55,
                    help="exit non-zero if the final held-out AUC is not above this (0 for smoke runs)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _resolve(p, args)
+    return args
+
+
+def _resolve(p, args) -> None:
+    """torchrec_dlrm's flags onto ours, with the checks dlrm_main.py makes (errors name the flag)."""
+    from torchrec.datasets.criteo import CAT_FEATURE_COUNT
+
+    if args.interaction_type is not None:
+        args.model = _INTERACTIONS[args.interaction_type]
+    for flag, layout in (("in_memory_binary_criteo_path", "npy"), ("synthetic_multi_hot_criteo_path", "multi_hot")):
+        path = getattr(args, flag)
+        if path is not None:
+            if args.data_dir is not None and os.path.abspath(args.data_dir) != os.path.abspath(path):
+                p.error(f"--{flag} {path} and --data-dir {args.data_dir} name different directories")
+            args.data_dir, args.layout = path, layout
+    for name in ("steps", "batch_size", "rows", "dim", "eval_batches", "dcn_num_layers", "dcn_low_rank_dim"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.num_embeddings_per_feature is not None:
+        if len(args.num_embeddings_per_feature) != CAT_FEATURE_COUNT:
+            p.error(f"--num_embeddings_per_feature: {len(args.num_embeddings_per_feature)} values, the Criteo "
+                    f"data has {CAT_FEATURE_COUNT} categorical features")
+        args.table_rows = list(args.num_embeddings_per_feature)
+    else:
+        args.table_rows = [args.rows] * CAT_FEATURE_COUNT
+    args.dense_arch_layer_sizes = args.dense_arch_layer_sizes or [64, args.dim]
+    args.over_arch_layer_sizes = args.over_arch_layer_sizes or [64, 1]
+    if args.dense_arch_layer_sizes[-1] != args.dim:
+        p.error(f"--dense_arch_layer_sizes {args.dense_arch_layer_sizes}: the last size must equal the embedding "
+                f"dim {args.dim} (--embedding_dim), as DLRM's interaction requires")
+    if args.over_arch_layer_sizes[-1] != 1:
+        p.error(f"--over_arch_layer_sizes {args.over_arch_layer_sizes}: the last size must be 1 (the click logit)")
+    args.interaction_branch1_layer_sizes = args.interaction_branch1_layer_sizes or [64, args.dim * 4]
+    args.interaction_branch2_layer_sizes = args.interaction_branch2_layer_sizes or [64, args.dim * 4]
+    for flag in ("interaction_branch1_layer_sizes", "interaction_branch2_layer_sizes"):
+        if getattr(args, flag)[-1] % args.dim:
+            p.error(f"--{flag} {getattr(args, flag)}: the last size must be a multiple of the embedding dim "
+                    f"{args.dim} (DLRM_Projection's rule)")
 
 
 def _metric_module(batch_size, world, rank):
@@ -103,7 +190,7 @@ def train(rank: int, world: int, args) -> dict:
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-    from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
+    from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, DLRMTrain
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -115,19 +202,25 @@ def train(rank: int, world: int, args) -> dict:
     data_dir = args.data_dir or os.path.join(args.out, "criteo")
     if rank == 0 and not all(os.path.exists(p) for ps in day_paths(data_dir, [0, 1], args.layout).values() for p in ps):
         write_criteo_days(data_dir, days=2, rows_per_day=max(args.steps, args.eval_batches) * B * world,
-                          num_embeddings=args.rows, layouts=[args.layout], seed=args.seed)
+                          num_embeddings=args.table_rows, layouts=[args.layout], seed=args.seed)
     dist.barrier()
-    train_data = criteo_dataset(data_dir, [0], args.layout, B, rank, world, num_embeddings=args.rows)
+    train_data = criteo_dataset(data_dir, [0], args.layout, B, rank, world, num_embeddings=args.table_rows)
     eval_batches = list(itertools.islice(iter(criteo_dataset(data_dir, [1], args.layout, B, rank, world,
-                                                             num_embeddings=args.rows)), args.eval_batches))
+                                                             num_embeddings=args.table_rows)), args.eval_batches))
 
     torch.manual_seed(args.seed)
-    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=args.dim, num_embeddings=args.rows, feature_names=[f])
-              for f in DEFAULT_CAT_NAMES]
+    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=args.dim, num_embeddings=n, feature_names=[f])
+              for f, n in zip(DEFAULT_CAT_NAMES, args.table_rows)]
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    arch = dict(dense_in_features=INT_FEATURE_COUNT, dense_arch_layer_sizes=[64, args.dim],
-                over_arch_layer_sizes=[64, 1], dense_device=torch.device("meta"))
-    model = DLRM_DCN(ebc, dcn_num_layers=3, dcn_low_rank_dim=16, **arch) if args.model == "dcn" else DLRM(ebc, **arch)
+    arch = dict(dense_in_features=INT_FEATURE_COUNT, dense_arch_layer_sizes=args.dense_arch_layer_sizes,
+                over_arch_layer_sizes=args.over_arch_layer_sizes, dense_device=torch.device("meta"))
+    if args.model == "dcn":
+        model = DLRM_DCN(ebc, dcn_num_layers=args.dcn_num_layers, dcn_low_rank_dim=args.dcn_low_rank_dim, **arch)
+    elif args.model == "projection":
+        model = DLRM_Projection(ebc, interaction_branch1_layer_sizes=args.interaction_branch1_layer_sizes,
+                                interaction_branch2_layer_sizes=args.interaction_branch2_layer_sizes, **arch)
+    else:
+        model = DLRM(ebc, **arch)
     # TorchRec's own sharder, as on GPU: on tpu it becomes torchtpu_rec's, with the same fused optimizer
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ADAGRAD,
                                                           "learning_rate": args.lr, "eps": 1e-8})
@@ -194,8 +287,8 @@ def train(rank: int, world: int, args) -> dict:
     mine = {"rank": rank, "pid": os.getpid(), "device": str(next(iter(dense_opt.params.values())).device),
             "backend": dist.get_backend(), "steps": len(history["step"]),
             "tables": sorted(name for mod in plan.values() for name, ps in mod.items()
-                             if any(sh.placement.rank() == rank for sh in ps.sharding_spec.shards)
-                             and ps.sharding_type != "data_parallel")}
+                             if ps.sharding_type != "data_parallel" and ps.sharding_spec is not None
+                             and any(sh.placement.rank() == rank for sh in ps.sharding_spec.shards))}
     ranks = [None] * world
     dist.all_gather_object(ranks, mine)
     result = {"model": args.model, "layout": args.layout, "final_auc": history["auc"][-1],

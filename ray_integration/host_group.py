@@ -97,8 +97,8 @@ class _HostActor:
         import ray
 
         ip = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
             port = s.getsockname()[1]
         return ip, port
 
@@ -115,8 +115,10 @@ class _HostActor:
         ip, port = addr
         os.environ.update(MASTER_ADDR=ip, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_RANK="0")
-        dist.init_process_group(backend, init_method=f"tcp://{ip}:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        from torchtpu.distributed.store import init_process_group_bound
+
+        # the group's store listens on this node's address only (a plain tcp:// init method: every interface)
+        init_process_group_bound(backend, f"tcp://{ip}:{port}", world, rank, timedelta(seconds=timeout_s))
         _CURRENT = HostContext(rank=rank, world_size=world, worker_id=int(os.environ["TPU_WORKER_ID"]),
                                slice_name=os.environ.get("TPU_NAME", ""),
                                pod_type=os.environ.get("TPU_ACCELERATOR_TYPE", ""), backend=backend,

@@ -11,7 +11,6 @@ asked for and what the cluster has.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Union
@@ -19,16 +18,21 @@ from typing import Dict, List, Optional, Union
 from .discovery import LABEL_POD_TYPE, LABEL_WORKER_ID, SliceInfo, SliceSpec, discover_slices
 
 
-def connect(address: str, **init_kwargs) -> None:
+def connect(cluster, **init_kwargs) -> None:
     """``ray.init(address=...)`` to a cluster we know (never ``"auto"``: the machine may run other clusters).
 
-    A no-op if already connected to ``address``; an error if connected elsewhere.
+    ``cluster`` is a GCS address, or a :class:`~ray_integration.LocalHead`, whose auth settings
+    (:meth:`~ray_integration.LocalHead.client_env`) this process then takes. A no-op if already
+    connected to that address; an error if connected elsewhere.
     """
     import ray
 
-    if not address or address == "auto":
-        raise ValueError(f"connect: give the cluster's explicit GCS address (got {address!r})")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    address = getattr(cluster, "address", cluster)
+    if not isinstance(address, str) or not address or address == "auto":
+        raise ValueError(f"connect: give the cluster's explicit GCS address or its LocalHead (got {cluster!r})")
+    use_auth = getattr(cluster, "use_auth", None)
+    if use_auth is not None:
+        use_auth()
     if ray.is_initialized():
         current = ray.get_runtime_context().gcs_address
         if current != address:

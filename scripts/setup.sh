@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (project-local) and installs torchtpu with its pinned stack.
+# Creates .venv (project-local) and installs torchtpu, every extra the suite needs, at the tested versions
+# (constraints.txt; pyproject.toml has the compatible ranges).
 # Idempotent: skips the install when pyproject.toml has not changed since the last one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +11,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.torchtpu-installed
-want=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(sha256sum pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
 # the tpu's C++ PrivateUse1 hooks (pinned host memory for DDP's static graph, pin_memory()):
 # torchtpu/runtime/pinned.py; a no-op when built. Without a compiler torchtpu still works, without them.
 build_hooks() {
@@ -25,9 +26,9 @@ pip() { .venv/bin/python -m pip "$@"; }
 pip install -q --upgrade pip setuptools wheel
 # torch first, exactly pinned: a looser spec resolves to a multi-GB CUDA build
 pip install -q "torch==2.13.0"
-pip install -q -e ".[test]"
-# torchrec's metadata asks for the CUDA fbgemm-gpu; its real needs are in pyproject.toml
-pip install -q --no-deps "torchrec==1.8.0"
+pip install -q -c constraints.txt -e ".[test,rl,rec,ray]"
+# torchrec's metadata asks for the CUDA fbgemm-gpu; its real needs are the [rec] extra
+pip install -q -c constraints.txt --no-deps "torchrec==1.8.0"
 .venv/bin/python -c "import torch, jax, torchrec, ray, torchtpu; assert torch.__version__.startswith('2.13.0')"
 build_hooks
 echo "$want" > "$stamp"

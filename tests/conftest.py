@@ -60,7 +60,8 @@ def ray_head():
 
     ``.address`` is the GCS address (``ray.init(address=...)``), ``.dashboard_url`` the job server
     (``ray job submit --address``/``JobSubmissionClient``), ``.run_dir`` its RAY_TMPDIR. 4 logical CPUs,
-    80 MB object store, auth disabled; only the processes it started are stopped at the end.
+    80 MB object store, token auth as by default (``.client_env()`` for subprocesses); only the processes it
+    started are stopped at the end.
     """
     import shutil
     import tempfile
@@ -82,7 +83,7 @@ def ray_driver(ray_head):
 
     from ray_integration import connect
 
-    connect(ray_head.address)
+    connect(ray_head)  # takes the head's auth token (RAY_AUTH_MODE/RAY_AUTH_TOKEN_PATH) into this process
     try:
         yield ray_head
     finally:

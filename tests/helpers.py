@@ -145,3 +145,34 @@ def tiny_hf_causal_lm(family: str = "qwen2", vocab_size: int = 64, hidden_size: 
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     return model.eval()
+
+
+def listening_sockets(pids) -> list:
+    """``(address, port)`` of every TCP socket in LISTEN state held by ``pids`` (/proc/net/tcp{,6})."""
+    import ipaddress
+    import os
+
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        inodes.add(link[8:-1])
+    out = []
+    for fam in ("tcp", "tcp6"):
+        with open(f"/proc/net/{fam}") as f:
+            for line in f.read().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:
+                    continue
+                hexaddr, hexport = cols[1].split(":")
+                raw = bytes.fromhex(hexaddr)
+                # /proc/net stores each 32-bit word of the address in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                addr = ipaddress.ip_address(raw)
+                if getattr(addr, "ipv4_mapped", None):
+                    addr = addr.ipv4_mapped
+                out.append((str(addr), int(hexport, 16)))
+    return out

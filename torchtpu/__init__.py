@@ -69,6 +69,9 @@ from . import distributed as _distributed  # noqa: E402
 _distributed.register()  # the "tpu" torch.distributed backend
 
 from . import quantization  # noqa: E402  (torchao is imported on first use)
+from . import thirdparty_noise as _thirdparty_noise  # noqa: E402
+
+_thirdparty_noise.install()  # two exact, harmless torchao / pytree log lines
 
 
 def device() -> torch.device:

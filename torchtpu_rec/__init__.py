@@ -11,7 +11,11 @@
 
 from __future__ import annotations
 
-import torchtpu  # noqa: F401  (registers the tpu device)
+from . import _requirements
+
+_requirements.check()  # torchrec / FBGEMM missing or mismatched: one ImportError naming the fix
+
+import torchtpu  # noqa: E402,F401  (registers the tpu device)
 
 from .embedding import (
     GroupKernel,

@@ -33,6 +33,7 @@ from torch.utils.data import IterableDataset
 from torchrec.datasets.criteo import (
     CAT_FEATURE_COUNT,
     DEFAULT_CAT_NAMES,
+    DEFAULT_INT_NAMES,
     INT_FEATURE_COUNT,
     BinaryCriteoUtils,
     CriteoIterDataPipe,
@@ -43,6 +44,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 __all__ = [
     "CAT_FEATURE_COUNT",
+    "CriteoFormatError",
     "INT_FEATURE_COUNT",
     "LAYOUTS",
     "MultiHotCriteoDataset",
@@ -162,22 +164,58 @@ def tsv_batches(paths: Sequence[str], batch_size: int, rank: int = 0, world_size
     """DLRM ``Batch`` es of the TSV files ``paths`` read by TorchRec's ``CriteoIterDataPipe``: this rank's
     share of every ``world_size * batch_size`` rows (as ``InMemoryBinaryCriteoIterDataPipe`` splits them),
     the integer features log-transformed as ``tsv_to_npys`` does on Criteo (``log(x + 3)``: counts are >= -1), the
-    categorical hex strings parsed and taken modulo ``num_embeddings`` (Criteo's hashing trick)."""
+    categorical hex strings parsed and taken modulo ``num_embeddings`` (Criteo's hashing trick).
+
+    A malformed line raises a :class:`CriteoFormatError` naming the file, the line (1-based) and the field; an
+    integer feature of -3 or less (outside ``log(x + 3)``'s domain) is such an error, never a NaN."""
     mod = None if num_embeddings is None else np.broadcast_to(np.asarray(num_embeddings, np.int64),
                                                               (CAT_FEATURE_COUNT,))
     rows: list = []
     step = batch_size * world_size
-    for sample in CriteoIterDataPipe(list(paths), row_mapper=_tsv_row):
-        rows.append(sample)
-        if len(rows) == step:
-            yield _tsv_batch(rows[rank * batch_size:(rank + 1) * batch_size], mod)
-            rows = []
+    for path in paths:
+        # one file per pipe: TorchRec's reader yields the file's lines in order, so their numbers are known
+        for lineno, r in enumerate(CriteoIterDataPipe([path], row_mapper=None), start=1):
+            rows.append(_tsv_row(r, path, lineno))
+            if len(rows) == step:
+                yield _tsv_batch(rows[rank * batch_size:(rank + 1) * batch_size], mod)
+                rows = []
 
 
-def _tsv_row(r):
+class CriteoFormatError(ValueError):
+    """A line of a Criteo TSV file that is not a valid sample (the message names file, line and field)."""
+
+
+_FIELDS = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
+
+
+def _tsv_row(r, path: str = "?", lineno: int = 0):
     """(integer features, categorical ids, label) of one split TSV line; missing values are 0."""
-    return ([int(x or "0") for x in r[1:1 + INT_FEATURE_COUNT]],
-            [int(x or "0", 16) for x in r[1 + INT_FEATURE_COUNT:]], int(r[0] or "0"))
+    where = f"{path}, line {lineno}"
+    if len(r) != _FIELDS:
+        raise CriteoFormatError(f"{where}: {len(r)} tab-separated fields, a Criteo sample has {_FIELDS} "
+                                f"(label, {INT_FEATURE_COUNT} integer, {CAT_FEATURE_COUNT} categorical)")
+    label = r[0] or "0"
+    if label not in ("0", "1"):
+        raise CriteoFormatError(f"{where}, field 1 (label): {label!r} is not 0 or 1")
+    ints = []
+    for f, x in enumerate(r[1:1 + INT_FEATURE_COUNT]):
+        try:
+            v = int(x or "0")
+        except ValueError:
+            raise CriteoFormatError(
+                f"{where}, field {f + 2} ({DEFAULT_INT_NAMES[f]}): {x!r} is not an integer") from None
+        if v <= -3:
+            raise CriteoFormatError(f"{where}, field {f + 2} ({DEFAULT_INT_NAMES[f]}): {v} is below the domain of "
+                                    "the log(x + 3) transform (counts are >= -1)")
+        ints.append(v)
+    cats = []
+    for f, x in enumerate(r[1 + INT_FEATURE_COUNT:]):
+        try:
+            cats.append(int(x or "0", 16))
+        except ValueError:
+            raise CriteoFormatError(f"{where}, field {f + 2 + INT_FEATURE_COUNT} ({DEFAULT_CAT_NAMES[f]}): {x!r} is "
+                                    "not a hexadecimal id") from None
+    return ints, cats, int(label)
 
 
 def _tsv_batch(rows, mod) -> Batch:

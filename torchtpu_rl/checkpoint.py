@@ -10,20 +10,30 @@ One file holds everything a run needs to continue *exactly*:
 
 Everything is moved to host tensors and plain Python values before saving, so
 ``torch.load(..., weights_only=True)`` reads it back (with numpy arrays allowed: the
-learner's numpy RNG state is one). The file is written to a
-temporary name and renamed, so a crash while saving never leaves a torn
-checkpoint under the real name.
+learner's numpy RNG state is one).
+
+Files (:func:`atomic_save`): written private (0600, in directories made 0700) to a temporary name
+beside the target, fsync'd, renamed over the target, and the directory fsync'd: a crash at any
+point leaves either the previous complete checkpoint or the new one, never a torn one. The
+temporary file is removed when the write fails, and one left by a killed writer is removed by
+the next save of that path. A sharded learner's DCP shards go to a new directory each save; the
+checkpoint file that names them is switched last, then the old shards are removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+import shutil
+import tempfile
 import time
+import uuid
 from typing import Optional
 
 import torch
 
-__all__ = ["FORMAT", "load_checkpoint", "load_sharded_checkpoint", "read_checkpoint", "save_checkpoint",
+__all__ = ["FORMAT", "atomic_save", "load_checkpoint", "load_sharded_checkpoint", "read_checkpoint", "save_checkpoint",
            "save_sharded_checkpoint", "to_host"]
 
 FORMAT = "torchtpu_rl.checkpoint/1"
@@ -40,6 +50,61 @@ def to_host(obj):
     if isinstance(obj, tuple):
         return tuple(to_host(v) for v in obj)
     return obj
+
+
+def _pid_of_tmp(name: str) -> Optional[int]:
+    # ".<base>.tmp.<pid>.<random>"
+    parts = name.rsplit(".", 2)
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+
+
+def _remove_torn(path: str) -> None:
+    """Temporary files of ``path`` left by writers that are gone (killed mid-save)."""
+    d, base = os.path.split(path)
+    for tmp in glob.glob(os.path.join(glob.escape(d or "."), f".{glob.escape(base)}.tmp.*")):
+        pid = _pid_of_tmp(os.path.basename(tmp))
+        if pid is None or pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # its writer is alive (another process saving the same path)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj, path) -> str:
+    """``torch.save(obj)`` to ``path`` whole or not at all: 0600 temporary file beside it, fsync, rename,
+    fsync of the directory (made 0700 if missing). The temporary file never outlives a failed write."""
+    path = os.fspath(path)
+    d = os.path.dirname(path)
+    if d:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    _remove_torn(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp.{os.getpid()}.", dir=d or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(d)
+    return path
 
 
 def _rng_state() -> dict:
@@ -72,18 +137,12 @@ def save_checkpoint(path: str, learner, driver_state: Optional[dict] = None,
         "saved_at": time.time(),
     }
     path = os.fspath(path)
-    d = os.path.dirname(path)
-    if d:
-        os.makedirs(d, exist_ok=True)
     if ref:
         reference_path = os.fspath(reference_path)
         if not _reference_matches(reference_path, learner.reference_digest()):
             _save_reference(reference_path, learner)
         state["reference"] = os.path.relpath(os.path.abspath(reference_path), os.path.dirname(os.path.abspath(path)))
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-    return path
+    return atomic_save(state, path)
 
 
 REFERENCE_FORMAT = "torchtpu_rl.reference/1"
@@ -99,11 +158,8 @@ def _reference_matches(path: str, digest: str) -> bool:
 
 
 def _save_reference(path: str, learner) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save({"format": REFERENCE_FORMAT, "digest": learner.reference_digest(),
-                "ref_policy": to_host(learner.ref_policy.state_dict())}, tmp)
-    os.replace(tmp, path)
+    atomic_save({"format": REFERENCE_FORMAT, "digest": learner.reference_digest(),
+                 "ref_policy": to_host(learner.ref_policy.state_dict())}, path)
 
 
 def read_checkpoint(path: str) -> dict:
@@ -179,14 +235,22 @@ def save_sharded_checkpoint(path: str, learner, driver_state: Optional[dict] = N
     path = os.fspath(path)
     torchtpu.synchronize()
     model_sd, optim_sd = get_state_dict(learner.policy, learner.optimizer)
-    dcp.save({"policy": model_sd, "optimizer": optim_sd}, checkpoint_id=path + SHARDS_SUFFIX)
+    # a new shard directory each save (rank 0 names it): the checkpoint that names the old one stays complete
+    # until the file at `path` is switched to the new one
+    # (under `<path>.shards/`, one directory per save, so removing `<path>.shards` removes every generation)
+    gen = f"v{int(learner.policy_version)}-{uuid.uuid4().hex[:8]}"
+    shards = _all_ranks(f"{os.path.basename(path)}{SHARDS_SUFFIX}/{gen}")[0]
+    d = os.path.dirname(path)
+    if d:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    dcp.save({"policy": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(d, shards))
     rng = _all_ranks({**_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()})
     if dist.get_rank() == 0:
         state = {
             "format": FORMAT,
             "learner": {"algo": learner.algo, "param_dtype": str(learner.param_dtype).replace("torch.", ""),
                         "policy_version": int(learner.policy_version), "world_size": dist.get_world_size(),
-                        "shards": os.path.basename(path) + SHARDS_SUFFIX, "learner_rng": learner.generator.get_state(),
+                        "shards": shards, "learner_rng": learner.generator.get_state(),
                         "ref_policy": (to_host(learner.ref_policy.state_dict())
                                        if learner.ref_policy is not None else None)},
             "policy_version": int(learner.policy_version),
@@ -194,9 +258,19 @@ def save_sharded_checkpoint(path: str, learner, driver_state: Optional[dict] = N
             "driver": to_host(driver_state) if driver_state is not None else None,
             "saved_at": time.time(),
         }
-        tmp = f"{path}.tmp.{os.getpid()}"
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        old = None
+        if os.path.exists(path):
+            with contextlib.suppress(Exception):  # an unreadable old checkpoint: nothing to clean
+                old = read_checkpoint(path)["learner"].get("shards")
+        atomic_save(state, path)
+        if old and old != shards:
+            old_dir = os.path.join(d, old)
+            if shards.startswith(old + "/"):  # an old-layout checkpoint: its shard files sit beside the new dir
+                for f in os.listdir(old_dir):
+                    if os.path.isfile(os.path.join(old_dir, f)):
+                        os.unlink(os.path.join(old_dir, f))
+            else:
+                shutil.rmtree(old_dir, ignore_errors=True)
     dist.barrier()  # the file exists for every rank when this returns
     return path
 

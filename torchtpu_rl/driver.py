@@ -82,7 +82,6 @@ def ray_session(run_dir: Optional[str] = None, *, num_cpus: int = 2, object_stor
     if ray.is_initialized():
         yield None
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     addr = os.environ.get("RAY_ADDRESS")
     if addr:
         ray.init(address=addr, logging_level="WARNING")
@@ -97,7 +96,7 @@ def ray_session(run_dir: Optional[str] = None, *, num_cpus: int = 2, object_stor
                      object_store_memory=object_store_memory, include_dashboard=include_dashboard)
     head.start()
     try:
-        connect(head.address)
+        connect(head)
         yield head
     finally:
         ray.shutdown()

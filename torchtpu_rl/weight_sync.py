@@ -74,8 +74,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
-import pickle
+import struct
 import time
 import warnings
 import weakref
@@ -103,6 +104,8 @@ __all__ = [
     "WeightSender",
     "WeightUpdate",
     "check_sync_dtype",
+    "decode_header",
+    "encode_header",
     "host_bytes",
     "install_state_dict",
     "plan_buckets",
@@ -311,6 +314,66 @@ class WeightUpdate:
     refs: list | None = None  # object_store: one ObjectRef per bucket
     sent_at: float = 0.0
     timings: dict = dataclasses.field(default_factory=dict)  # the sender's phases (pack_s, publish_s, ...)
+
+
+# The collective transport's header on the wire: data, never pickle (a peer of the sync group must not be
+# able to run code in another by sending it a header). MAGIC, then the JSON body's length, then the body.
+HEADER_MAGIC = b"TTWS\x01"
+_HEADER_LEN = struct.Struct("<I")
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+
+
+def _dtype_from_name(name) -> torch.dtype:
+    d = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(d, torch.dtype):
+        raise ValueError(f"weight sync header: unknown dtype {name!r}")
+    return d
+
+
+def encode_header(update: WeightUpdate) -> bytes:
+    """``update`` (a collective one: no object refs) as MAGIC + length + JSON."""
+    if update.refs:
+        raise ValueError("weight sync header: an update with object refs travels through the object store, "
+                         "not the collective header")
+    plan = update.plan
+    body = {
+        "version": int(update.version), "transport": str(update.transport), "sent_at": float(update.sent_at),
+        "timings": {str(k): float(v) for k, v in (update.timings or {}).items()},
+        "plan": {"bucket_bytes": int(plan.bucket_bytes), "total_bytes": int(plan.total_bytes),
+                 "starts": [int(x) for x in plan.starts],
+                 "slots": [[s.name, str(s.dtype).removeprefix("torch."), [int(d) for d in s.shape], int(s.offset),
+                            int(s.nbytes), None if s.wire_dtype is None else str(s.wire_dtype).removeprefix("torch.")]
+                           for s in plan.slots]},
+    }
+    data = json.dumps(body, separators=(",", ":")).encode()
+    return HEADER_MAGIC + _HEADER_LEN.pack(len(data)) + data
+
+
+def decode_header(payload: bytes) -> WeightUpdate:
+    """The :class:`WeightUpdate` in ``payload`` (:func:`encode_header`'s format); anything else, a pickle
+    included, is refused with a ValueError."""
+    payload = bytes(payload)
+    n0 = len(HEADER_MAGIC) + _HEADER_LEN.size
+    if not payload.startswith(HEADER_MAGIC) or len(payload) < n0:
+        what = "a pickle (refused: a header is data, never code)" if payload[:1] == b"\x80" else \
+            f"{len(payload)} bytes starting {payload[:8]!r}"
+        raise ValueError(f"weight sync header: not a torchtpu weight-sync header: {what}")
+    (n,) = _HEADER_LEN.unpack_from(payload, len(HEADER_MAGIC))
+    if n != len(payload) - n0:
+        raise ValueError(f"weight sync header: body of {len(payload) - n0} bytes, the header says {n}")
+    try:
+        body = json.loads(payload[n0:].decode())
+        p = body["plan"]
+        slots = tuple(TensorSlot(str(name), _dtype_from_name(dt), tuple(int(d) for d in shape), int(off), int(nb),
+                                 None if wd is None else _dtype_from_name(wd))
+                      for name, dt, shape, off, nb, wd in p["slots"])
+        plan = BucketPlan(slots, int(p["bucket_bytes"]), int(p["total_bytes"]), tuple(int(x) for x in p["starts"]))
+        return WeightUpdate(int(body["version"]), plan, str(body["transport"]), None, float(body["sent_at"]),
+                            {str(k): float(v) for k, v in body.get("timings", {}).items()})
+    except ValueError:
+        raise
+    except (KeyError, TypeError, UnicodeDecodeError, AttributeError) as e:
+        raise ValueError(f"weight sync header: malformed body ({e!r})") from e
 
 
 def _cast_with_error(x, dtype):
@@ -715,10 +778,12 @@ class CollectiveGroup:
             import importlib
 
             importlib.import_module("torchtpu.distributed")  # registers the backend
+        from torchtpu.distributed.store import init_process_group_bound
+
         if dist.is_initialized():
             dist.destroy_process_group()
-        dist.init_process_group(backend=pg_backend, init_method=init_method, world_size=int(world_size),
-                                rank=int(rank), timeout=timedelta(seconds=timeout_s))
+        # rank 0's store listens on the init method's host only (not every interface)
+        init_process_group_bound(pg_backend, init_method, int(world_size), int(rank), timedelta(seconds=timeout_s))
         self.backend = backend
         self.device = "tpu" if backend == "tpu-device" else "cpu"
         self.rank = int(rank)
@@ -733,7 +798,7 @@ class CollectiveGroup:
     def send_header(self, update: WeightUpdate) -> None:
         import torch.distributed as dist
 
-        payload = pickle.dumps(update)
+        payload = encode_header(update)
         n = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
         dist.broadcast(n, src=0)
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -744,9 +809,12 @@ class CollectiveGroup:
 
         n = torch.zeros(1, dtype=torch.int64, device=self.device)
         dist.broadcast(n, src=0)
-        data = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
+        size = int(n.item())
+        if not 0 < size <= MAX_HEADER_BYTES:
+            raise ValueError(f"weight sync header: rank 0 announced {size} bytes (at most {MAX_HEADER_BYTES})")
+        data = torch.empty(size, dtype=torch.uint8, device=self.device)
         dist.broadcast(data, src=0)
-        return pickle.loads(data.cpu().numpy().tobytes())
+        return decode_header(data.cpu().numpy().tobytes())
 
 
 def free_port() -> int:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import torchtpu
@@ -94,3 +95,41 @@ def test_report_in_process(metrics):
     assert "persistent cache:" in text and "new XLA compiles:" in text and "unique graphs per step" in text
     c = metrics.snapshot()["cache"]
     assert c["executable_lookups"] >= 2 and c["unique_graphs_per_step"] == [0]
+
+
+_CAPPED_CHILD = r"""
+import torch, torchtpu
+for n in range(1, 41):  # 40 distinct executables (one shape each)
+    (torch.arange(float(n), device="tpu") * 3 + 1).sum().item()
+"""
+
+
+def _dir_bytes(d):
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs)
+
+
+def test_cache_is_private_and_capped_least_recently_used_first(tmp_path):
+    uncapped, capped = tmp_path / "all", tmp_path / "capped"
+    for d, cap in ((uncapped, "-1"), (capped, "64K")):
+        env = dict(os.environ, TORCHTPU_CACHE_DIR=str(d), TORCHTPU_CACHE_MAX_SIZE=cap)
+        out = subprocess.run([sys.executable, "-c", _CAPPED_CHILD], env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert os.stat(d).st_mode & 0o777 == 0o700
+    full = _dir_bytes(uncapped)
+    assert full > 64 * 1024, f"the uncapped cache holds only {full} bytes: the cap would not be exercised"
+    def entries(d):  # the executables (JAX keeps an access-time file and a lock beside them)
+        return [f for f in os.listdir(d) if not f.endswith(("-atime", ".lock"))]
+
+    kept = entries(capped)
+    assert sum(os.path.getsize(capped / f) for f in kept) <= 64 * 1024
+    assert 0 < len(kept) < len(entries(uncapped))
+
+
+def test_cache_size_setting_is_checked(monkeypatch):
+    assert xla_cache.parse_size("512M") == 512 * 1024**2 and xla_cache.parse_size("-1") == -1
+    monkeypatch.setenv("TORCHTPU_CACHE_MAX_SIZE", "lots")
+    with pytest.raises(ValueError, match="TORCHTPU_CACHE_MAX_SIZE='lots'"):
+        xla_cache.default_max_size()
+    monkeypatch.delenv("TORCHTPU_CACHE_MAX_SIZE")
+    assert xla_cache.default_max_size() == xla_cache.DEFAULT_MAX_SIZE

@@ -17,6 +17,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import ray_integration as ri  # noqa: E402
+from helpers import listening_sockets  # noqa: E402
 from ray_integration import SliceSpec  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)  # generous: Ray startup on a loaded 2-core machine is slow
@@ -146,6 +147,18 @@ class _Host:
                 "generation": ctx.generation, "pid": os.getpid()}
 
 
+def test_job_entrypoint_resources_place_the_driver_on_a_tpu_host(tpu_slice):
+    ray_head, sl = tpu_slice
+    # the job succeeds only where the driver runs on a host of the slice (its TPU_NAME is the slice's)
+    check = f"import os, sys; sys.exit(0 if os.environ.get('TPU_NAME') == {sl.name!r} else 3)"
+    p = _run([PY, "-m", "ray_integration", "job", "submit", "--run-dir", str(ray_head.run_dir),
+              "--entrypoint-resources", '{"TPU": 4}', "--", "python", "-c", check])
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = _run([PY, "-m", "ray_integration", "job", "submit", "--run-dir", str(ray_head.run_dir), "--", "python", "-c",
+              check])
+    assert p.returncode == 1, "without --entrypoint-resources the driver runs on the head, not on a TPU host"
+
+
 def test_host_group_runs_and_recovers(tpu_slice):
     import ray.cloudpickle
 
@@ -188,9 +201,11 @@ JOB_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(cmd, **kw):
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, **kw)
+def _run(cmd, env=None, **kw):
+    """A CLI call in a fresh process with our environment less any Ray auth setting (this process is a
+    client of the session head); ``env`` adds to it (a head's ``client_env()``)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**base, **(env or {})}, **kw)
 
 
 def test_job_submit_via_cli_and_plain_ray(ray_head, tmp_path):
@@ -198,19 +213,29 @@ def test_job_submit_via_cli_and_plain_ray(ray_head, tmp_path):
     url = ray_head.dashboard_url
     # ours: submits, follows the logs to the end, exit code = job result
     p = _run([PY, "-m", "ray_integration", "job", "submit", "--address", url, "--working-dir", str(tmp_path),
-              "--env", "GREETING=hello", "--", "python", "job.py"])
+              "--env", "GREETING=hello", "--entrypoint-num-cpus", "1", "--", "python", "job.py"],
+             env=ray_head.client_env())
     assert p.returncode == 0, p.stdout + p.stderr
     assert "JOB-OK hello 49 12.0" in p.stdout
     job_id = p.stdout.split()[0]
-    st = _run([PY, "-m", "ray_integration", "job", "status", "--address", url, "--json", job_id])
-    assert json.loads(st.stdout)["status"] == "SUCCEEDED"
-    lg = _run([PY, "-m", "ray_integration", "job", "logs", "--address", url, job_id])
+    # options after the subcommand; the token from the head's run dir (no client env)
+    st = _run([PY, "-m", "ray_integration", "job", "status", "--run-dir", str(ray_head.run_dir), "--json", job_id])
+    assert json.loads(st.stdout)["status"] == "SUCCEEDED", st.stderr
+    lg = _run([PY, "-m", "ray_integration", "job", "logs", "--address", url, job_id], env=ray_head.client_env())
     assert "JOB-OK hello 49 12.0" in lg.stdout
+    ls = _run([PY, "-m", "ray_integration", "job", "list", "--address", url, "--json",
+               "--token-file", str(ray_head.token_path)])
+    assert job_id in {j["submission_id"] for j in json.loads(ls.stdout)}, ls.stderr
+    for res, why in [("{TPU: 4}", "not valid JSON"), ('{"CPU": 1}', "--entrypoint-num-cpus"), ('{"TPU": -1}', "non-neg")]:
+        bad = _run([PY, "-m", "ray_integration", "job", "submit", "--address", url, "--entrypoint-resources", res,
+                    "--", "true"], env=ray_head.client_env())
+        assert bad.returncode != 0 and why in bad.stderr, bad.stderr
 
     # plain `ray job submit` against the same head, logs read back through our API
     p = _run([os.path.join(os.path.dirname(PY), "ray"), "job", "submit", "--address", url,
               "--submission-id", "plain-ray-job", "--working-dir", str(tmp_path),
-              "--runtime-env-json", json.dumps({"env_vars": {"GREETING": "plain"}}), "--", "python", "job.py"])
+              "--runtime-env-json", json.dumps({"env_vars": {"GREETING": "plain"}}), "--", "python", "job.py"],
+             env=ray_head.client_env())
     assert p.returncode == 0, p.stdout + p.stderr
     assert "JOB-OK plain 49 12.0" in p.stdout
     assert ri.jobs.status(url, "plain-ray-job") == "SUCCEEDED"
@@ -218,32 +243,139 @@ def test_job_submit_via_cli_and_plain_ray(ray_head, tmp_path):
 
     # a job that would run forever is stopped
     jid = ri.jobs.submit(url, ["python", "-c", "import time; print('sleeping', flush=True); time.sleep(600)"])
-    stop = _run([PY, "-m", "ray_integration", "job", "stop", "--address", url, jid])
+    stop = _run([PY, "-m", "ray_integration", "job", "stop", "--address", url, jid], env=ray_head.client_env())
     assert stop.returncode == 0, stop.stderr
     assert ri.jobs.wait(url, jid, timeout_s=60) == "STOPPED"
+
+
+def _stale_record(run_dir, pid: int) -> None:
+    """A head.json as a head that died long ago left it, its pid since reused by an unrelated process."""
+    rec = {"pid": pid, "address": "127.0.0.1:1", "dashboard_url": None, "run_dir": run_dir, "bind": "127.0.0.1",
+           "auth": "token", "num_cpus": 1, "object_store_memory": 80 * 1024**2, "ports": {},
+           "head": {"pid": pid, "tag": "head-0badf00d", "log_path": "/dev/null",
+                    "identity": {"pid": pid, "start_time": 1, "cmdline": ["ray", "start", "--head"]}},
+           "nodes": []}
+    with open(os.path.join(run_dir, "head.json"), "w") as f:
+        json.dump(rec, f)
 
 
 def test_cli_head_start_status_stop(tmp_path_factory):
     import tempfile
 
     run_dir = tempfile.mkdtemp(prefix="rt_cli_", dir="/tmp")
-    base = [PY, "-m", "ray_integration", "--run-dir", run_dir, "head"]
+    head = [PY, "-m", "ray_integration", "head"]
+    # a bystander in its own session (pgid == pid): what the old `head stop` SIGKILLed via a stale record
+    bystander = subprocess.Popen([PY, "-c", "import time; time.sleep(600)"], start_new_session=True)
     try:
-        p = _run(base + ["start", "--no-dashboard", "--num-cpus", "1", "--json"])
+        _stale_record(run_dir, bystander.pid)
+        p = _run(head + ["stop", "--run-dir", run_dir])
+        assert p.returncode == 0, p.stderr
+        assert "another process (left alone)" in p.stdout and "stale head record" in p.stdout, p.stdout
+        assert bystander.poll() is None, "head stop killed a process it did not start"
+        assert not os.path.exists(os.path.join(run_dir, "head.json"))
+
+        # a stale record does not block `head start` (options after the subcommand)
+        _stale_record(run_dir, bystander.pid)
+        p = _run(head + ["start", "--run-dir", run_dir, "--no-dashboard", "--num-cpus", "1", "--json"])
         assert p.returncode == 0, p.stdout + p.stderr
+        assert "left alone" in p.stderr and bystander.poll() is None
         started = json.loads(p.stdout)
-        st = _run(base + ["status", "--json"])
-        assert st.returncode == 0 and json.loads(st.stdout)["alive"] and json.loads(st.stdout)["nodes"] == 1
-        again = _run(base + ["start", "--no-dashboard"])
+        assert started["auth"] == "token" and started["token_file"] == os.path.join(run_dir, "auth_token")
+        assert started["client_env"].startswith("RAY_AUTH_MODE=token")
+        assert os.stat(started["token_file"]).st_mode & 0o777 == 0o600
+        assert os.stat(run_dir).st_mode & 0o777 == 0o700
+        assert os.stat(os.path.join(run_dir, "head.json")).st_mode & 0o777 == 0o600
+        st = _run(head + ["status", "--run-dir", run_dir, "--json"])
+        assert st.returncode == 0, st.stderr
+        assert json.loads(st.stdout)["alive"] and json.loads(st.stdout)["nodes"] == 1
+        again = _run(head + ["start", "--run-dir", run_dir, "--no-dashboard"])
         assert again.returncode == 1 and "already running" in again.stderr
-        assert _run(base + ["stop"]).returncode == 0
+        p = _run(head + ["stop", "--run-dir", run_dir])
+        assert p.returncode == 0 and f"stopped its leader pid {started['pid']}" in p.stdout, p.stdout + p.stderr
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and os.path.exists(f"/proc/{started['pid']}"):
             time.sleep(0.2)
         assert not os.path.exists(f"/proc/{started['pid']}")
-        assert _run(base + ["status"]).returncode == 1
+        assert _run(head + ["status", "--run-dir", run_dir]).returncode == 1
+        assert bystander.poll() is None
     finally:
-        _run(base + ["stop"])
+        _run(head + ["stop", "--run-dir", run_dir])
+        bystander.kill()
+        bystander.wait()
         import shutil
 
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# --- network exposure ----------------------------------------------------------------------------
+
+def _job_api(url: str, token=None, submit=False):
+    """What ``url`` (a Ray job API path) answers: ``(status, JSON body or None)``; ``(None, None)`` if it is
+    not an HTTP server. ``submit``: POST a harmless job (``true``)."""
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    data = json.dumps({"entrypoint": "true"}).encode() if submit else None
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST" if submit else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            body = r.read()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        return e.code, None
+    except Exception:  # noqa: BLE001 - not an HTTP server (gRPC), or it closed on us
+        return None, None
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, None  # e.g. the Prometheus metrics exporter: answers any path with its metrics text
+
+
+def _is_job_api_answer(body) -> bool:
+    return isinstance(body, list) or (isinstance(body, dict) and ("submission_id" in body or "job_id" in body))
+
+
+def test_head_listens_as_documented_and_refuses_clients_without_its_token(ray_head):
+    from ray_integration.cluster import _tagged_processes
+
+    assert ray_head.auth == "token"
+    assert os.stat(ray_head.token_path).st_mode & 0o777 == 0o600
+    assert os.stat(ray_head.run_dir).st_mode & 0o777 == 0o700
+    socks = listening_sockets(_tagged_processes(ray_head.head.tag))
+    assert socks, "no listening socket found for the head's processes"
+    # the dashboard (Ray's job API) on loopback only
+    dash = [a for a, port in socks if port == ray_head.dashboard_port]
+    assert dash and all(a == "127.0.0.1" for a in dash), socks
+    # no server of the cluster, on any address it listens on, lists or takes a job without the token
+    http = 0
+    for addr, port in socks:
+        host = "127.0.0.1" if addr in ("0.0.0.0", "::") else (f"[{addr}]" if ":" in addr else addr)
+        for path in ("/api/jobs/", "/api/job_agent/jobs/"):
+            for submit in (False, True):
+                code, body = _job_api(f"http://{host}:{port}{path}", submit=submit)
+                assert not _is_job_api_answer(body), f"{addr}:{port}{path} answered {code} {body} without the token"
+                http += code is not None
+    assert http, "no HTTP server answered at all (the scan would prove nothing)"
+    # the same requests with the token work (the scan can see a job API when there is one)
+    assert _is_job_api_answer(_job_api(f"{ray_head.dashboard_url}/api/jobs/", ray_head.token())[1])
+    assert _job_api(f"{ray_head.dashboard_url}/api/jobs/", "0" * 64)[0] == 403
+
+
+def test_auth_modes_are_checked():
+    with pytest.raises(ValueError, match="auth mode"):
+        ri.LocalHead("/tmp/rt_badauth", auth="none")
+    with pytest.warns(RuntimeWarning, match="WITHOUT token authentication"):
+        ri.cluster.resolve_auth("disabled")
+
+
+def test_a_head_removes_the_private_run_dir_it_made():
+    import uuid
+
+    run_dir = f"/tmp/rt_own{uuid.uuid4().hex[:6]}"  # what torchtpu_rl's ray_session makes (rt_rl*)
+    with ri.local_head(run_dir, num_cpus=1, include_dashboard=False) as head:
+        assert os.stat(run_dir).st_mode & 0o777 == 0o700
+        assert os.stat(head.token_path).st_mode & 0o777 == 0o600
+        # Ray's own temp dir inside it is world-writable (Ray's choice), unreachable through the private parent
+        assert os.path.isdir(os.path.join(run_dir, "r"))
+    assert not os.path.exists(run_dir)

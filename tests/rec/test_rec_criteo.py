@@ -107,3 +107,36 @@ def test_bad_input(data, tmp_path):
         np.savez(bad, **{k: z[k] for k in z.files if k not in ("3", "7")})
     with pytest.raises(ValueError, match=r"categorical features \[3, 7\]"):
         MultiHotCriteoDataset(paths["multi_hot"]["dense"][:1], [bad], paths["multi_hot"]["labels"][:1], B)
+
+
+@pytest.mark.parametrize("edit,field,why", [
+    (lambda f: f.__setitem__(3, "-3"), "field 4 (int_2)", "below the domain"),
+    (lambda f: f.__setitem__(5, "12x"), "field 6 (int_4)", "not an integer"),
+    (lambda f: f.__setitem__(20, "zz"), "field 21 (cat_6)", "not a hexadecimal"),
+    (lambda f: f.__setitem__(0, "2"), "field 1 (label)", "not 0 or 1"),
+    (lambda f: f.pop(), "", "39 tab-separated fields"),
+])
+def test_tsv_errors_name_file_line_and_field(data, tmp_path, edit, field, why):
+    from torchtpu_rec.criteo import CriteoFormatError, tsv_batches
+
+    lines = open(data[1]["tsv"]["tsv"][0]).read().splitlines()[:10]
+    fields = lines[6].split("\t")
+    edit(fields)
+    lines[6] = "\t".join(fields)
+    bad = tmp_path / "day_9"
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(CriteoFormatError) as e:
+        list(tsv_batches([str(bad)], batch_size=4))
+    assert f"{bad}, line 7" in str(e.value) and field in str(e.value) and why in str(e.value), str(e.value)
+
+
+def test_tsv_count_of_minus_two_is_still_in_the_domain(data, tmp_path):
+    from torchtpu_rec.criteo import tsv_batches
+
+    lines = open(data[1]["tsv"]["tsv"][0]).read().splitlines()[:4]
+    fields = lines[0].split("\t")
+    fields[1] = "-2"
+    lines[0] = "\t".join(fields)
+    (tmp_path / "day_8").write_text("\n".join(lines) + "\n")
+    (batch,) = list(tsv_batches([str(tmp_path / "day_8")], batch_size=4))
+    assert torch.isfinite(batch.dense_features).all() and float(batch.dense_features[0, 0]) == 0.0  # log(-2 + 3)

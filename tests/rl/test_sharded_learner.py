@@ -125,6 +125,15 @@ def test_grpo_run_syncs_versions_and_checksums_and_resumes(topo, tmp_path):
     assert m["policy_version"] == start + 1 and m["staleness"] == 0
     sums1 = synced(start + 1)  # the next version, published and verified
     assert sums1 != sums0
+    # a re-save goes to a new shard directory; the old one goes only once the file names the new one
+    from torchtpu_rl.checkpoint import read_checkpoint
+
+    again_path = str(tmp_path / "again.pt")
+    d.save_checkpoint(again_path)
+    first = read_checkpoint(again_path)["learner"]["shards"]
+    d.save_checkpoint(again_path)
+    second = read_checkpoint(again_path)["learner"]["shards"]
+    assert first != second and os.path.isdir(tmp_path / second) and not os.path.exists(tmp_path / first)
 
     d2 = _driver(topo)
     d2.load_checkpoint(ckpt)  # the learner back at the saved version, the worker re-synced to it

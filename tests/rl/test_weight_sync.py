@@ -4,6 +4,8 @@ actors are tested in test_rl_ray.py)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -178,3 +180,33 @@ def test_receive_arenas_are_reused_and_never_overwritten_in_use():
     a3 = r._take_arena(plan)
     assert a3 is not a1 and r.arena_allocations == 3
     del held
+
+
+def test_collective_header_is_data_and_a_pickle_is_refused():
+    import pickle
+
+    plan = ws.plan_buckets(_mixed_state(), 4096)
+    cast = ws.WeightSender(4096, sync_dtype=torch.bfloat16).plan(_mixed_state())
+    for p in (plan, cast):
+        u = ws.WeightUpdate(11, p, "collective", None, 123.5, {"pack_s": 0.5})
+        back = ws.decode_header(ws.encode_header(u))
+        assert back.plan == p and back.plan.fingerprint() == p.fingerprint()
+        assert (back.version, back.transport, back.sent_at, back.timings) == (11, "collective", 123.5, {"pack_s": 0.5})
+    u = ws.WeightUpdate(11, plan, "collective", None, 0.0)
+    with pytest.raises(ValueError, match="pickle"):
+        ws.decode_header(pickle.dumps(u))
+
+    class Boom:  # what a hostile peer would send: unpickling it would run code
+        def __reduce__(self):
+            return (os.system, ("touch /tmp/torchtpu_pwned",))
+
+    with pytest.raises(ValueError, match="pickle"):
+        ws.decode_header(pickle.dumps(Boom()))
+    good = ws.encode_header(u)
+    with pytest.raises(ValueError, match="header says"):
+        ws.decode_header(good[:-1])
+    body = good[len(ws.HEADER_MAGIC) + 4:].replace(b'"float32"', b'"os.system"')
+    with pytest.raises(ValueError, match="unknown dtype"):
+        ws.decode_header(ws.HEADER_MAGIC + len(body).to_bytes(4, "little") + body)
+    with pytest.raises(ValueError, match="object refs"):
+        ws.encode_header(ws.WeightUpdate(1, plan, "object_store", [object()]))

@@ -3,6 +3,10 @@ process compiled (per-op kernels, fused graphs, compiled graphs alike) instead o
 
 Configured at ``import torchtpu`` before anything compiles (some runtime modules build small
 executables at import). Its hits, loads and compile seconds are in ``torchtpu.metrics``.
+
+The directory is private (0700) and capped: ``TORCHTPU_CACHE_MAX_SIZE`` bytes (``4G`` by default;
+a number with an optional K/M/G/T suffix, ``-1`` for no cap), evicting the least recently used
+executables first (JAX's LRU cache: an access time per entry, a file lock shared by the processes).
 """
 
 from __future__ import annotations
@@ -14,12 +18,42 @@ import jax
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_SIZE = 4 * 1024**3
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
-def enable_persistent_cache(directory: str) -> None:
+
+def parse_size(text, what: str = "TORCHTPU_CACHE_MAX_SIZE") -> int:
+    """``"512M"``, ``"4G"``, ``"1048576"`` or ``-1`` (no cap) as bytes; a ValueError naming ``what``."""
+    t = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    if t == "-1":
+        return -1
+    unit = t[-1:] if t[-1:] in _UNITS and not t[-1:].isdigit() else ""
+    num = t[:-1] if unit else t
+    try:
+        n = float(num)
+    except ValueError:
+        n = -2.0
+    if n <= 0 or n != n:
+        raise ValueError(f"{what}={text!r}: expected a size in bytes such as 512M, 4G or 1073741824, or -1 for "
+                         f"no cap")
+    return int(n * _UNITS[unit])
+
+
+def default_max_size() -> int:
+    v = os.environ.get("TORCHTPU_CACHE_MAX_SIZE")
+    return DEFAULT_MAX_SIZE if v is None or not v.strip() else parse_size(v)
+
+
+def enable_persistent_cache(directory: str, max_size: int | None = None) -> None:
     """Keep compiled XLA executables in ``directory`` across processes (JAX's persistent cache):
     a later process loads an executable instead of compiling it. Every executable is kept, even
-    the small per-op ones (each is a compile an eager process would otherwise repeat)."""
-    os.makedirs(directory, exist_ok=True)
+    the small per-op ones (each is a compile an eager process would otherwise repeat), up to
+    ``max_size`` bytes (default :func:`default_max_size`; -1: no cap), least recently used out first."""
+    max_size = default_max_size() if max_size is None else int(max_size)
+    if max_size != -1 and max_size <= 0:
+        raise ValueError(f"enable_persistent_cache: max_size must be positive or -1, got {max_size}")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    jax.config.update("jax_compilation_cache_max_size", max_size)
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

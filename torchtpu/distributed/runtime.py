@@ -14,7 +14,8 @@ replaced host), every rank of the group warns and stages collectives through hos
 (the ``host`` transport), as does ``TORCHTPU_DIST_TRANSPORT=host``.
 
 ``TORCHTPU_JAX_COORDINATOR=host:port`` overrides the coordinator address (default: the store's
-host, or ``MASTER_ADDR``, and a free port of rank 0).
+host, or ``MASTER_ADDR``, and a free port of rank 0). The coordinator listens on that host only
+(``coordinator_bind_address``; JAX's own default is every interface).
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ def _store_host(store) -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host.strip("[]"), 0))
         return s.getsockname()[1]
 
 
@@ -80,7 +81,7 @@ def _coordinator(store, rank: int, world: int, timeout_s: float) -> str:
         host = os.environ.get("MASTER_ADDR") or _store_host(store) or "127.0.0.1"
         if host == "localhost":
             host = "127.0.0.1"
-        address = f"{host}:{_free_port()}"
+        address = f"{host}:{_free_port(host)}"
         store.set(_COORDINATOR_KEY, address)
         return address
     _wait_for_keys(store, [_COORDINATOR_KEY], rank, world, timeout_s, "rank 0 to publish the coordinator address")
@@ -153,8 +154,9 @@ def start(store, rank: int, world: int, timeout_s: float) -> bool:
         # collectives raise instead
         jax.config.update("jax_enable_recoverability", True)
         try:
-            jax.distributed.initialize(address, world, rank,
-                                       initialization_timeout=max(1, int(timeout_s)))
+            # the coordinator (rank 0) listens on the group's address, not every interface
+            jax.distributed.initialize(address, world, rank, initialization_timeout=max(1, int(timeout_s)),
+                                       coordinator_bind_address=address if rank == 0 else None)
         except Exception as e:
             raise RuntimeError(
                 f"torchtpu distributed: JAX's multi-process runtime did not start (process {rank} of {world}, "
