@@ -129,6 +129,9 @@ class Kernel:
         # arguments written by this op (in-place self, or Tensor(a!)[] lists)
         self.mutated = [i for i, a in enumerate(self.args) if a.alias_info is not None and a.alias_info.is_write]
         self.n_returns = len(schema.returns)
+        # the written arguments an in-place op returns (_amp_update_scale_ writes two, returns one)
+        ret_sets = [r.alias_info.before_set for r in schema.returns if r.alias_info is not None]
+        self.returned = [i for i in self.mutated if self.args[i].alias_info.before_set in ret_sets] or self.mutated
         # written tensor lists (_foreach_copy_'s self): elements over one storage must be written in turn
         self.mutated_lists = [i for i in self.mutated if self.kinds[i] in (_TL, _OTL)] if not self.n_returns else []
         # defaults of the trailing arguments a positional call may leave out: _tails[k] completes a
@@ -525,7 +528,7 @@ class Kernel:
                     sd.dtype = v.dtype
             if self.n_returns == 0:
                 return None
-            rets = [vals[i] for i in self.mutated]
+            rets = [vals[i] for i in self.returned]
             return rets[0] if len(rets) == 1 else tuple(rets)
         if entry.single:
             return new_tensor(*entry.out_meta[:2], outs[0], *entry.out_meta[2:])
