@@ -19,6 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..base import dtypes, metrics, tracing
+from ..base.memory import check_allocation, is_resource_exhausted, out_of_memory_from
 from ..base.opnames import short_name
 from ..base.rng import next_key_data as _next_key_data
 from ..base.frames import user_site
@@ -253,7 +254,9 @@ class Kernel:
                 bufs = [RECORDER.materialize(b, "materialize") if type(b) is LazyBuf else b for b in bufs]
             try:
                 outs = entry.fn(*bufs, *dyn)
-            except Exception:
+            except Exception as e:
+                if is_resource_exhausted(e):
+                    raise out_of_memory_from(e) from e
                 if built:  # traced just now: an input PyTorch's meta let through reached the lowering
                     self.cache.pop(key, None)
                     self._raise_cpu_error(vals, dtype_errors=True)
@@ -358,7 +361,10 @@ class Kernel:
                     k = key[1 + i]
                     numels.extend(x[2] for x in (k if self.kinds[i] in (_TL, _OTL) else (k,)))
             else:
-                numels = [math.prod(m[0]) for m in pytree.tree_leaves(out_meta, is_leaf=_is_meta_leaf)]
+                leaves = pytree.tree_leaves(out_meta, is_leaf=_is_meta_leaf)
+                numels = [math.prod(m[0]) for m in leaves]
+                # refused here, not by XLA (which aborts on an overflowing size)
+                check_allocation(sum(n * m[1].itemsize for n, m in zip(numels, leaves)))
             entry = _Entry(jax.jit(flat), out_meta, numels)
             if deferring():
                 # trace now, so a lowering error surfaces at the user's line, not at the flush

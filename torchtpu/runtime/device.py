@@ -106,15 +106,7 @@ def memory_stats_nested() -> dict:
 
 def memory_info() -> tuple[int, int]:
     """(free, total) bytes of the memory tpu buffers live in."""
-    try:
-        s = jax_device().memory_stats()
-    except Exception:  # noqa: BLE001
-        s = None
-    if s and "bytes_limit" in s:
-        return s["bytes_limit"] - s.get("bytes_in_use", 0), s["bytes_limit"]
-    # XLA's CPU backend keeps buffers in host memory
-    page = os.sysconf("SC_PAGE_SIZE")
-    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    return platform.memory_info(jax_device())
 
 
 def _make_module():
