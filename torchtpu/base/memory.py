@@ -76,6 +76,17 @@ def out_of_memory(requested: int, free: int | None = None, total: int | None = N
         f"{_fmt(allocated)} is allocated by tensors ({MEMORY.num_storages} storages).")
 
 
+_fraction = [1.0]  # torch.tpu.set_per_process_memory_fraction
+
+
+def set_memory_fraction(fraction: float) -> None:
+    _fraction[0] = float(fraction)
+
+
+def memory_fraction() -> float:
+    return _fraction[0]
+
+
 def check_allocation(nbytes: int, sizes=None) -> None:
     """Refuse, before XLA is asked, an allocation that cannot succeed: a size overflowing int64 (the
     ``RuntimeError`` CPU raises; XLA would abort the interpreter) or more bytes than are free
@@ -83,6 +94,11 @@ def check_allocation(nbytes: int, sizes=None) -> None:
     if nbytes > _MAX_BYTES:
         shown = list(sizes) if sizes is not None else [nbytes]
         raise RuntimeError(f"Storage size calculation overflowed with sizes={shown}")
+    if _fraction[0] < 1.0:  # the process's cap: what its tensors hold plus this request
+        free, total = platform.memory_info()
+        cap = int(_fraction[0] * total)
+        if MEMORY.allocated + nbytes > cap:
+            raise out_of_memory(nbytes, min(free, max(cap - MEMORY.allocated, 0)), total)
     if nbytes >= CHECK_FROM_BYTES:
         free, total = platform.memory_info()
         if nbytes > free:
