@@ -47,6 +47,10 @@ _install.install()  # a kernel per lowering and hand-written kernel, their in-pl
 _decomp.register_decompositions()  # PyTorch's decompositions for ops still without a kernel
 _fallback.install()  # everything else: the CPU fallback
 
+from .dispatch import autocast as _autocast  # noqa: E402
+
+_autocast.install()  # torch.autocast("tpu"): CUDA's cast policy, bfloat16 by default
+
 from . import bucketing, profiler, serialization as _serialization  # noqa: E402
 from .dispatch.fallback import TPUFallbackWarning, cpu_fallback_enabled, set_cpu_fallback  # noqa: E402
 from .dispatch.storm import set_shape_storm_policy, shape_storm_policy  # noqa: E402

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PROJECT = ("torchtpu", "torchtpu_models", "torchtpu_rl", "torchtpu_rec", "ray_integration")
+PROJECT = ("torchtpu", "torchtpu_models", "torchtpu_rl", "torchtpu_rec", "ray_integration", "torchtpu_autoload")
 
 # torchtpu's layers, lowest first: a module may import its own layer and the ones below it.
 TORCHTPU_LAYERS = {
@@ -37,6 +37,8 @@ ALLOWED_PACKAGES = {
     "ray_integration": {"ray_integration", "torchtpu"},
     "torchtpu_rl": {"torchtpu_rl", "torchtpu", "torchtpu_models", "ray_integration"},
     "torchtpu_rec": {"torchtpu_rec", "torchtpu", "ray_integration"},
+    # torch's entry point: above everything, imports torchtpu / torchtpu_rec only on first use
+    "torchtpu_autoload": {"torchtpu_autoload", "torchtpu", "torchtpu_rec"},
 }
 
 

@@ -373,6 +373,56 @@ case("bad_lowering_results_are_errors", """
 """)
 
 # ---------------------------------------------------------------- the runner
+# ---------------------------------------------------------------- allocations that cannot succeed (issue 33)
+# An overflowing size aborted the interpreter inside XLA (SIGABRT); a size over the free memory raised
+# XLA's JaxRuntimeError. CPU raises RuntimeError for the first, CUDA torch.OutOfMemoryError for the second.
+case("alloc_overflow_is_cpus_runtime_error", """
+    x = torch.ones(1, device="tpu")
+    for make in (lambda: torch.empty(2**61, device="tpu"), lambda: torch.zeros(2**61, device="tpu"),
+                 lambda: torch.empty(2**31, 2**31, 4, device="tpu"), lambda: x.new_zeros(2**61),
+                 lambda: x.repeat(2**62), lambda: torch.ones(2, device="tpu").resize_(2**61)):
+        try:
+            make()
+        except RuntimeError as e:
+            assert "overflow" in str(e) and not isinstance(e, torch.OutOfMemoryError), e
+        else:
+            raise AssertionError("no error")
+    with torchtpu.execution_mode("defer_and_fuse"):
+        try:
+            x.repeat(2**62)
+        except RuntimeError as e:
+            assert "overflow" in str(e), e
+        else:
+            raise AssertionError("no error")
+""")
+case("alloc_over_free_memory_is_out_of_memory", r"""
+    import re
+    free, total = torch.tpu.mem_get_info()
+    n = total + (1 << 30)  # float32 elements: four times the device's bytes, and more
+    x = torch.ones(1, device="tpu")
+    makes = {"empty": lambda: torch.empty(n, device="tpu"), "ones": lambda: torch.ones(n, device="tpu"),
+             "randn": lambda: torch.randn(n, device="tpu"), "expand+contiguous": lambda: x.expand(n).contiguous(),
+             "repeat": lambda: x.repeat(n), "resize_": lambda: torch.ones(2, device="tpu").resize_(n),
+             "compiled": lambda: torch.compile(lambda x: x.expand(n) * 2, backend="tpu")(x)}
+    for mode in ("strict_eager", "defer_and_fuse"):
+        with torchtpu.execution_mode(mode):
+            for what, make in makes.items():
+                try:
+                    make().cpu()
+                except torch.OutOfMemoryError as e:
+                    msg = str(e)
+                    # the requested bytes and the free / total bytes, as CUDA words it
+                    asked = int(re.search(r"Tried to allocate .*? \((\d+) bytes\)", msg).group(1))
+                    assert asked >= 4 * n - 8, (what, msg)
+                    assert re.search(r"total capacity of .*? \(%d bytes\)" % total, msg), (what, msg)
+                    assert re.search(r"of which .*? \((\d+) bytes\) is free", msg), (what, msg)
+                else:
+                    raise AssertionError(f"{what}: no error")
+    assert issubclass(torch.OutOfMemoryError, RuntimeError)
+    same(torch.ones(3, device="tpu") * 2, torch.full((3,), 2.0))  # the device still works
+""")
+
+
 _PRELUDE = """
 import copy, io, os, pickle, warnings
 import numpy as np

@@ -43,9 +43,15 @@ def user_site(depth: int = 1):
     return (c.co_filename, f.f_lineno, c.co_name)
 
 
+# how many warnings ``warn_at_user_line`` was asked for (the kernel executor reads whether an op's warn
+# hook warned: then CPU's kernel, called for its type checks, would warn the same again)
+WARN_COUNT = [0]
+
+
 def warn_at_user_line(message: str, category=UserWarning) -> None:
     """``warnings.warn`` attributed to the nearest user line (as PyTorch's C++ warnings are), so the
     user's filters and the once-per-location rule apply to their code, not to torchtpu's."""
+    WARN_COUNT[0] += 1
     f = user_frame(sys._getframe(1))
     if f is None:
         warnings.warn(message, category, stacklevel=2)

@@ -142,6 +142,30 @@ def _host_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _host_available() -> int:
+    """Host memory a new allocation can get: MemAvailable (free plus reclaimable cache)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_info(d=None) -> tuple[int, int]:
+    """(free, total) bytes of the memory the device's buffers live in (host memory on the CPU backend)."""
+    d = d or device()
+    try:
+        s = d.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without memory stats (XLA CPU)
+        s = None
+    if s and "bytes_limit" in s:
+        return int(s["bytes_limit"]) - int(s.get("bytes_in_use", 0)), int(s["bytes_limit"])
+    return _host_available(), _host_memory()
+
+
 def total_memory(d=None) -> int:
     d = d or device()
     try:

@@ -33,6 +33,7 @@ import torch._guards
 from torch.utils import _pytree as pytree
 
 from ..base import dtypes, metrics, tracing
+from ..base.memory import is_resource_exhausted, out_of_memory_from
 from ..base.opnames import qualified_name, short_name
 from ..base.rng import next_key_data
 from ..bucketing import BucketPolicy
@@ -308,6 +309,14 @@ class GraphProgram:
         return self._execute(args, key, statics, {}, None, None)
 
     def _execute(self, args, key, statics, env, pad_to, real_env):
+        try:
+            return self._execute_graph(args, key, statics, env, pad_to, real_env)
+        except Exception as exc:
+            if is_resource_exhausted(exc):  # the graph's buffers do not fit: CUDA's error type
+                raise out_of_memory_from(exc) from exc
+            raise
+
+    def _execute_graph(self, args, key, statics, env, pad_to, real_env):
         e = self._entry(key, statics, env)
         pairs = [_arg_array(args[i]) for i in self.tensor_idx]
         arrays = [a for a, _ in pairs]

@@ -11,7 +11,9 @@ executable is recorded (runtime/recorder.py) instead of run.
 from __future__ import annotations
 
 import math
+import re
 import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +21,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..base import dtypes, metrics, tracing
+from ..base.memory import check_allocation, is_resource_exhausted, out_of_memory_from
 from ..base.opnames import short_name
 from ..base.rng import next_key_data as _next_key_data
-from ..base.frames import user_site
+from ..base.frames import WARN_COUNT, user_site
 from ..runtime import checks
 from ..runtime import layout as _layout
 from ..runtime.modes import deferring
@@ -129,6 +132,9 @@ class Kernel:
         # arguments written by this op (in-place self, or Tensor(a!)[] lists)
         self.mutated = [i for i, a in enumerate(self.args) if a.alias_info is not None and a.alias_info.is_write]
         self.n_returns = len(schema.returns)
+        # the written arguments an in-place op returns (_amp_update_scale_ writes two, returns one)
+        ret_sets = [r.alias_info.before_set for r in schema.returns if r.alias_info is not None]
+        self.returned = [i for i in self.mutated if self.args[i].alias_info.before_set in ret_sets] or self.mutated
         # written tensor lists (_foreach_copy_'s self): elements over one storage must be written in turn
         self.mutated_lists = [i for i in self.mutated if self.kinds[i] in (_TL, _OTL)] if not self.n_returns else []
         # defaults of the trailing arguments a positional call may leave out: _tails[k] completes a
@@ -140,6 +146,10 @@ class Kernel:
                 self._tails[k] = tuple(rest)
         self.cache: dict = {}
         self.lock = threading.RLock()
+        # ops whose CPU kernel refuses any two operand dtypes that differ (integers too)
+        self.strict_dtypes = self.functional._schema.name in _SAME_DTYPE_OPS
+        self.type_checked: set = set()  # dtype signatures CPU's kernel accepted (_check_type_rules)
+        self.any_dtypes = self.functional._schema.name in _ANY_DTYPES
 
     def _lists_alias(self, vals) -> bool:
         """Do two written list elements share a storage (views of one buffer, as FSDP2's copy-in writes)?
@@ -223,10 +233,13 @@ class Kernel:
             numel = -1 if RECORDER.pending else sum(b.size for b in bufs)
             if numel >= 0 and storm.run_shape_generic(self, key, numel):
                 return storm.run(self, vals)  # CPU's kernel makes CPU's checks and warnings
+        warned = False
         if self.warn is not None:
+            n = WARN_COUNT[0]
             self.warn(*vals, inplace=self.inplace)
+            warned = WARN_COUNT[0] != n
         if entry is None:
-            entry = self._build(key, vals, len(bufs))
+            entry = self._build(key, vals, len(bufs), warned)
             metrics.record_miss(self.name, key)
             built = True
         else:
@@ -250,7 +263,9 @@ class Kernel:
                 bufs = [RECORDER.materialize(b, "materialize") if type(b) is LazyBuf else b for b in bufs]
             try:
                 outs = entry.fn(*bufs, *dyn)
-            except Exception:
+            except Exception as e:
+                if is_resource_exhausted(e):
+                    raise out_of_memory_from(e) from e
                 if built:  # traced just now: an input PyTorch's meta let through reached the lowering
                     self.cache.pop(key, None)
                     self._raise_cpu_error(vals, dtype_errors=True)
@@ -326,12 +341,14 @@ class Kernel:
                 margs.append(to_meta(v))
         return margs
 
-    def _build(self, key, vals, nbufs):
+    def _build(self, key, vals, nbufs, warned=False):
         with self.lock:
             entry = self.cache.get(key)
             if entry is not None:
                 return entry
             out_meta = self._compute_meta(vals)
+            if not warned and not self.any_dtypes:  # (CPU's kernel would warn what the op's warn hook warned)
+                self._check_type_rules(vals)
             inner = self._make_inner(key, vals, out_meta)
             if out_meta is None and not self.inplace:
                 # no meta kernel: take shapes from abstract evaluation of the lowering
@@ -355,7 +372,10 @@ class Kernel:
                     k = key[1 + i]
                     numels.extend(x[2] for x in (k if self.kinds[i] in (_TL, _OTL) else (k,)))
             else:
-                numels = [math.prod(m[0]) for m in pytree.tree_leaves(out_meta, is_leaf=_is_meta_leaf)]
+                leaves = pytree.tree_leaves(out_meta, is_leaf=_is_meta_leaf)
+                numels = [math.prod(m[0]) for m in leaves]
+                # refused here, not by XLA (which aborts on an overflowing size)
+                check_allocation(sum(n * m[1].itemsize for n, m in zip(numels, leaves)))
             entry = _Entry(jax.jit(flat), out_meta, numels)
             if deferring():
                 # trace now, so a lowering error surfaces at the user's line, not at the flush
@@ -387,8 +407,9 @@ class Kernel:
                     "not implemented" in msg or "could not run" in msg or "no fake impl or meta kernel" in msg):
                 return None
             # PyTorch's meta kernels check what CPU checks, but some word it differently or raise
-            # another type: the user gets CPU's own error
-            self._raise_cpu_error(vals)
+            # another type: the user gets CPU's own error (CPU's missing dtype too, when meta's
+            # error is about types: leaky_relu of a Long tensor)
+            self._raise_cpu_error(vals, dtype_errors=bool(_TYPE_ERROR.search(msg)))
             raise
         if self.inplace:
             self._check_overlap(vals)
@@ -405,7 +426,72 @@ class Kernel:
                 if isinstance(t, torch.Tensor):
                     check_no_internal_overlap(t)
 
-    def _raise_cpu_error(self, vals, dtype_errors=False):
+    def _mixed_dtypes(self, vals) -> bool:
+        """Do the tensor operands mix dtypes where CPU may refuse it: two floating (or complex)
+        dtypes, or for a same-dtype op (``_SAME_DTYPE_OPS``) any two dtypes?"""
+        seen = set()
+        for i, kind in self.kind_items:
+            if kind in (_T, _OT):
+                ts = (vals[i],)
+            elif kind in (_TL, _OTL):
+                ts = vals[i]
+            else:
+                continue
+            for t in ts:
+                if isinstance(t, torch.Tensor) and (t.dim() or t.device.type == "tpu"):
+                    if self.strict_dtypes or t.is_floating_point() or t.is_complex():
+                        seen.add(t.dtype)
+        return len(seen) > 1
+
+    def _unusual_dtypes(self, vals) -> bool:
+        """Is an operand that is not an index or a mask boolean, integer or complex?"""
+        for i, kind in self.kind_items:
+            if kind not in (_T, _OT, _TL, _OTL) or self.names[i] in _INDEX_ARGS:
+                continue
+            for t in (vals[i] if kind in (_TL, _OTL) else (vals[i],)):
+                if isinstance(t, torch.Tensor) and not t.is_floating_point():
+                    return True
+        return False
+
+    def _dtype_signature(self, vals):
+        sig = []
+        for i, kind in self.kind_items:
+            v = vals[i]
+            if kind in (_TL, _OTL):
+                sig.append(tuple(None if x is None else x.dtype for x in v))
+            elif isinstance(v, torch.Tensor):
+                sig.append(v.dtype)
+            elif kind in (_SCALAR, _OT):
+                sig.append(type(v))
+        return tuple(sig)
+
+    def _check_type_rules(self, vals) -> None:
+        """PyTorch's meta kernels let through dtypes CPU refuses (mm of float32 x float64, std of an
+        integer tensor, a float result written in place into an int tensor): CPU's kernel on zero twins
+        says whether the call breaks a type rule, for a mixed-dtype call at every new key, else once per
+        op and dtype signature (small calls only: the twins are computed). Only errors about types are
+        raised, never those zeros cause (a singular matrix, a zero divisor) or a CPU kernel's own gaps."""
+        mixed = self._mixed_dtypes(vals)
+        sig = None
+        if not mixed:
+            # a call of one floating dtype breaks no type rule (and CPU's kernel could warn what the
+            # user never sees on CPU: a nested op's C++ warnings reach the user however caught)
+            if not self._unusual_dtypes(vals):
+                return
+            sig = self._dtype_signature(vals)
+            if sig in self.type_checked:
+                return
+        limit = None if mixed and self.strict_dtypes else (_CPU_ERROR_MAX_NUMEL if mixed else _TYPE_CHECK_MAX_NUMEL)
+        if self.lowering.random:  # the twin must not draw from the CPU generator
+            with torch.random.fork_rng(devices=[]):
+                ran = self._raise_cpu_error(vals, reads_expanded=True, max_numel=limit, type_errors_only=True)
+        else:
+            ran = self._raise_cpu_error(vals, reads_expanded=True, max_numel=limit, type_errors_only=True)
+        if ran and sig is not None:
+            self.type_checked.add(sig)
+
+    def _raise_cpu_error(self, vals, dtype_errors=False, reads_expanded=False, max_numel=-1,
+                         type_errors_only=False):
         """Raise the error PyTorch's CPU kernel gives for this call's shapes, dtypes and arguments
         (inputs zero-filled), if it gives one: the bad input is the user's, and the error must be
         the one they would get on CPU. Returns if CPU accepts the call (the error is torchtpu's).
@@ -414,24 +500,41 @@ class Kernel:
         cpu = []
         numel = 0
         for i, v in enumerate(vals):
+            # ``reads_expanded``: inputs the op only reads are one zero expanded (no memory)
+            twin = _cpu_zeros if not reads_expanded or i in self.mutated else _cpu_zeros_expanded
             if self.kinds[i] in (_TL, _OTL):
-                v = [_cpu_zeros(x) for x in v]
+                v = [twin(x) for x in v]
                 numel += sum(x.numel() for x in v if isinstance(x, torch.Tensor))
             else:
-                v = _cpu_zeros(v)
+                v = twin(v)
                 numel += v.numel() if isinstance(v, torch.Tensor) else 0
             cpu.append(v)
-        if numel > _CPU_ERROR_MAX_NUMEL:
-            return
+        if max_numel == -1:
+            max_numel = _CPU_ERROR_MAX_NUMEL
+        if max_numel is not None and numel > max_numel:
+            return False
+        if type_errors_only:
+            try:
+                with warnings.catch_warnings():  # the call may be legal: tpu's own kernel warns
+                    warnings.simplefilter("ignore")
+                    self.op(*cpu[: self.npos], **{self.names[i]: cpu[i] for i in range(self.npos, len(cpu))})
+            except Exception as e:  # noqa: BLE001 - only errors about types are the user's here
+                msg = str(e)
+                if ("Could not run" in msg or "not implemented for" in msg or "CPU" in msg
+                        or not _TYPE_ERROR.search(msg)):
+                    return True
+                raise e.with_traceback(None) from None
+            return True
         try:
             # (the warnings CPU emits on its way to the error reach the user, as they would on CPU)
             self.op(*cpu[: self.npos], **{self.names[i]: cpu[i] for i in range(self.npos, len(cpu))})
         except NotImplementedError as e:
             if "Could not run" in str(e) or not dtype_errors:
-                return  # no CPU kernel, or CPU lacks the dtype: it says nothing about the shapes meta refused
+                return True  # no CPU kernel, or CPU lacks the dtype: it says nothing about the shapes meta refused
             raise e.with_traceback(None) from None
         except Exception as e:
             raise e.with_traceback(None) from None
+        return True
 
     def _make_inner(self, key, vals, out_meta):
         """The traced function: flat buffers and dynamic scalars -> outputs (or new buffers)."""
@@ -525,7 +628,7 @@ class Kernel:
                     sd.dtype = v.dtype
             if self.n_returns == 0:
                 return None
-            rets = [vals[i] for i in self.mutated]
+            rets = [vals[i] for i in self.returned]
             return rets[0] if len(rets) == 1 else tuple(rets)
         if entry.single:
             return new_tensor(*entry.out_meta[:2], outs[0], *entry.out_meta[2:])
@@ -660,6 +763,14 @@ _OVERLAP_WRITES_ALLOWED = frozenset({
     "aten::tril", "aten::triu",
 })
 _CPU_ERROR_MAX_NUMEL = 1 << 24  # zero-filled CPU twins larger than this are not worth an error message
+# conversions: every pair of dtypes is legal (and CPU's kernel warns about complex -> real)
+_ANY_DTYPES = frozenset({"aten::_to_copy", "aten::copy", "aten::clone", "aten::lift_fresh_copy", "aten::_copy_from"})
+_INDEX_ARGS = frozenset({"index", "indices", "mask", "target", "offsets", "condition", "lengths", "per_sample_weights",
+                         "counts", "sorted_sequence", "boundaries", "repeats", "weight_indices"})
+_TYPE_CHECK_MAX_NUMEL = 1 << 16  # a same-dtype call's type check computes its twins: small calls only
+# what an error about types says (errors zeros cause, singular matrices or zero divisors, say none of it)
+_TYPE_ERROR = re.compile(r"dtype|\btypes?\b|bool|complex|integer|floating|\blong\b|\bint\b|\bfloat\b|half|"
+                         r"bfloat16|double", re.IGNORECASE)
 
 
 def check_no_internal_overlap(t: torch.Tensor) -> None:
@@ -668,6 +779,22 @@ def check_no_internal_overlap(t: torch.Tensor) -> None:
         raise RuntimeError(
             "unsupported operation: more than one element of the written-to tensor refers to a single "
             "memory location. Please clone() the tensor before performing the operation.")
+
+
+def _cpu_zeros_expanded(v):
+    """A CPU twin of tpu tensor ``v`` that holds one zero, expanded to ``v``'s shape."""
+    if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+        return torch.zeros((), dtype=v.dtype).expand(v.shape)
+    return _cpu_zeros(v)
+
+
+# ops whose CPU kernels require all operands of one dtype (matrix products, convolutions, attention):
+# refused when any two differ, integer operands included
+_SAME_DTYPE_OPS = frozenset(f"aten::{n}" for n in (
+    "mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "addr", "dot", "vdot", "linalg_cross", "cross",
+    "convolution", "_convolution", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention", "_addmm_activation",
+))
 
 
 def _cpu_zeros(v):

@@ -1162,8 +1162,11 @@ def _create(opts, backend_options=None):
 _registered = False
 
 
+ALIAS = "tpu_dist"  # Google TorchTPU's name for its c10d backend (Ray Train's ScalingConfig(use_tpu=True) asks for it)
+
+
 def register() -> None:
-    """Register the ``tpu`` backend with torch.distributed (idempotent).
+    """Register the ``tpu`` backend (and its alias ``tpu_dist``) with torch.distributed (idempotent).
 
     Registered for devices ``tpu`` and ``cpu``: a group made with ``"tpu"``
     serves both (CPU tensors go straight to gloo).
@@ -1171,8 +1174,9 @@ def register() -> None:
     global _registered
     if _registered or not dist.is_available():
         return
-    if BACKEND_NAME not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["tpu", "cpu"])
+    for name in (BACKEND_NAME, ALIAS):
+        if name not in dist.Backend.backend_list:
+            dist.Backend.register_backend(name, _create, extended_api=True, devices=["tpu", "cpu"])
     _install_sharded_tensor_device()
     _registered = True
 

@@ -2,6 +2,7 @@
 PyTorch's decompositions for the ops still without a kernel are installed by ``decomp``."""
 
 from . import (  # noqa: F401
+    amp,
     core,
     decomp,
     elementwise,

@@ -1653,6 +1653,11 @@ def _sdpa_overrideable_backward(grad_out, q, k, v, attn_bias, grad_input_mask, o
 
 
 def _sdpa_route(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if not q.dtype == k.dtype == v.dtype:
+        # CPU's refusal, in its words (the math path would promote): its kernel on zero twins
+        twin = [None if t is None else torch.zeros((), dtype=t.dtype).expand(t.shape) for t in (q, k, v, attn_mask)]
+        aten.scaled_dot_product_attention(*twin[:3], twin[3], dropout_p, is_causal, scale=scale,
+                                          enable_gqa=enable_gqa)
     fused = (q.dim() in (3, 4) and q.dim() == k.dim() == v.dim() and q.device.type == "tpu"
              and not (is_causal and attn_mask is not None)
              and q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point)

@@ -36,9 +36,10 @@ def _env_flag(name: str, default: str) -> bool:
 
 
 INDEX_CHECKS = _env_flag("TORCHTPU_INDEX_CHECKS", "1")
-LAUNCH_BLOCKING = _env_flag("TORCHTPU_LAUNCH_BLOCKING", "0")
+# TPU_LAUNCH_BLOCKING is Google TorchTPU's name for it (as CUDA_LAUNCH_BLOCKING is CUDA's)
+LAUNCH_BLOCKING = _env_flag("TORCHTPU_LAUNCH_BLOCKING", os.environ.get("TPU_LAUNCH_BLOCKING", "0"))
 if LAUNCH_BLOCKING:
-    log.info("TORCHTPU_LAUNCH_BLOCKING=1: every op and graph waits for the device")
+    log.info("TORCHTPU_LAUNCH_BLOCKING=1 (or TPU_LAUNCH_BLOCKING=1): every op and graph waits for the device")
 
 
 class DeviceIndexError(IndexError, RuntimeError):

@@ -18,12 +18,14 @@ from __future__ import annotations
 import collections
 import itertools
 import os
+import re
+import time
 import types
 
 import torch
 
 from ..base import platform, rng
-from ..base.memory import MEMORY
+from ..base.memory import MEMORY, memory_fraction, set_memory_fraction
 from . import pinned
 from .modes import synchronize as synchronize_all
 
@@ -106,15 +108,7 @@ def memory_stats_nested() -> dict:
 
 def memory_info() -> tuple[int, int]:
     """(free, total) bytes of the memory tpu buffers live in."""
-    try:
-        s = jax_device().memory_stats()
-    except Exception:  # noqa: BLE001
-        s = None
-    if s and "bytes_limit" in s:
-        return s["bytes_limit"] - s.get("bytes_in_use", 0), s["bytes_limit"]
-    # XLA's CPU backend keeps buffers in host memory
-    page = os.sysconf("SC_PAGE_SIZE")
-    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    return platform.memory_info(jax_device())
 
 
 def _make_module():
@@ -218,6 +212,60 @@ def _make_module():
         _tpu_index(device)
         return platform.properties()
 
+    def get_rng_state_all() -> list:
+        """One state per device (one device here), as ``torch.cuda.get_rng_state_all``."""
+        return [get_rng_state()]
+
+    def set_rng_state_all(new_states) -> None:
+        for state in new_states:
+            set_rng_state(state)
+
+    def get_device_capability(device=None) -> tuple[int, int]:
+        """(TPU generation, 0) on a TPU (``TPU v5 lite`` -> (5, 0)); a GPU's compute capability through XLA;
+        (0, 0) on XLA's CPU backend: code comparing it with cuda's capabilities takes the portable path."""
+        _tpu_index(device)
+        d = jax_device()
+        cc = getattr(d, "compute_capability", None)
+        if cc:
+            major, _, minor = str(cc).partition(".")
+            return int(major), int(minor or 0)
+        m = re.search(r"v(\d+)", platform.device_name(d)) if d.platform == "tpu" else None
+        return (int(m.group(1)), 0) if m else (0, 0)
+
+    def set_per_process_memory_fraction(fraction: float, device=None) -> None:
+        """Cap this process's tpu tensors at ``fraction`` of the device's memory, as ``torch.cuda``'s: an
+        allocation beyond it raises ``torch.OutOfMemoryError``."""
+        _tpu_index(device)
+        if not isinstance(fraction, float):
+            raise TypeError("Invalid type for fraction argument, must be `float`")
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        set_memory_fraction(fraction)
+
+    def get_per_process_memory_fraction(device=None) -> float:
+        _tpu_index(device)
+        return memory_fraction()
+
+    def memory_summary(device=None, abbreviated: bool = False) -> str:
+        """A readable table of :func:`memory_stats` (``torch.cuda.memory_summary``'s role)."""
+        _tpu_index(device)
+        st = memory_stats()
+        free, total = memory_info()
+
+        def gib(n):
+            return f"{n / (1 << 30):10.3f} GiB"
+
+        rows = [("Allocated memory (tensors)", st["allocated_bytes.all.current"], st["allocated_bytes.all.peak"]),
+                ("Reserved memory", st["reserved_bytes.all.current"], st["reserved_bytes.all.peak"])]
+        line = "|" + "=" * 75 + "|"
+        out = [line, "|" + " PyTorch tpu memory summary, device ID 0 ".center(75) + "|", line,
+               f"| {'Metric':<32}| {'Cur Usage':>18} | {'Peak Usage':>18} |", line]
+        out += [f"| {name:<32}| {gib(cur):>18} | {gib(peak):>18} |" for name, cur, peak in rows]
+        out += [f"| {'Live storages':<32}| {st['num_storages']:>18} | {'':>18} |", line,
+                f"| {'Device total / free':<32}| {gib(total):>18} | {gib(free):>18} |",
+                f"| {'Per-process fraction':<32}| {memory_fraction():>18.3f} | {'':>18} |", line]
+        return "\n".join(out) + "\n"
+
     def get_amp_supported_dtype():
         return [torch.bfloat16, torch.float16]
 
@@ -241,7 +289,9 @@ def _make_module():
               synchronize, manual_seed, manual_seed_all, seed, seed_all, initial_seed, get_rng_state,
               set_rng_state, memory_allocated, max_memory_allocated, memory_reserved, max_memory_reserved,
               reset_peak_memory_stats, memory_stats, mem_get_info, empty_cache, get_device_name, get_device_properties,
-              get_amp_supported_dtype, is_bf16_supported):
+              get_amp_supported_dtype, is_bf16_supported, get_rng_state_all, set_rng_state_all,
+              get_device_capability, set_per_process_memory_fraction, get_per_process_memory_fraction,
+              memory_summary):
         setattr(m, f.__name__, f)
     m.device = device
     m.Stream = Stream
@@ -294,13 +344,26 @@ class Stream:
 
 
 class Event:
-    """A point in the tpu's queue; waiting on it waits for all work issued."""
+    """A point in the tpu's queue; waiting on it waits for all work issued. With ``enable_timing`` a
+    recorded event waits for the work issued before it and notes the time, so ``elapsed_time`` gives
+    the milliseconds of device work between two events (as ``torch.cuda.Event``'s)."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
-        pass
+        self.enable_timing = enable_timing
+        self._time = None
 
     def record(self, stream=None) -> None:
-        pass
+        if self.enable_timing:
+            synchronize_all()
+            self._time = time.perf_counter()
+
+    def elapsed_time(self, end_event: "Event") -> float:
+        """Milliseconds from this event to ``end_event`` (both recorded, both made with enable_timing=True)."""
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self._time is None or end_event._time is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        return (end_event._time - self._time) * 1000.0
 
     def wait(self, stream=None) -> None:  # one queue: later work already runs after it
         pass

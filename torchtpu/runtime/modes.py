@@ -30,7 +30,9 @@ _graph_task_id = torch._C._current_graph_task_id
 
 
 def _default_mode():
-    mode = os.environ.get("TORCHTPU_EXECUTION_MODE", "strict_eager")
+    # Google TorchTPU's switch, TORCH_TPU_DEFER_AND_FUSE=1, means the same here; ours wins when both are set
+    defer = os.environ.get("TORCH_TPU_DEFER_AND_FUSE", "0") not in ("0", "false", "False", "")
+    mode = os.environ.get("TORCHTPU_EXECUTION_MODE", "defer_and_fuse" if defer else "strict_eager")
     _check(mode)
     return mode
 

@@ -57,7 +57,7 @@ from jax._src.array import ArrayImpl  # the concrete array type: a type check ne
 
 from ..base import metrics, tracing
 from ..base.frames import user_site
-from ..base.memory import MEMORY
+from ..base.memory import MEMORY, is_resource_exhausted, out_of_memory_from
 
 _weakref = weakref.ref
 
@@ -414,10 +414,14 @@ class Recorder:
                 results = [group.to_local(r) for r in results]
             del ext
         except Exception as e:
-            _annotate(e, nodes)
             for n in nodes:  # their outputs will never exist: a later use raises instead of reading garbage
                 n.pos = -1
             self._drop_pending()
+            if is_resource_exhausted(e):
+                oom = out_of_memory_from(e)
+                _annotate(oom, nodes)
+                raise oom from e
+            _annotate(e, nodes)
             raise
         for b, v in zip(live, results):
             b.value = v

@@ -26,7 +26,7 @@ import torch
 from jax._src.array import ArrayImpl  # the concrete array type: a type check needs no backend
 
 from ..base import dtypes, metrics, platform
-from ..base.memory import MEMORY
+from ..base.memory import MEMORY, check_allocation, is_resource_exhausted, out_of_memory_from
 from . import layout as _layout
 from . import checks
 from .recorder import RECORDER, LazyBuf
@@ -178,7 +178,17 @@ def _zeros_flat(numel, jdtype):
     key = (numel, jdtype)
     z = _zeros_cache.get(key)
     if z is None:
-        z = to_device(np.zeros((numel,), jdtype)) if numel <= _SMALL else jnp.zeros((numel,), jdtype)
+        if numel > _SMALL:
+            nbytes = numel * jnp.dtype(jdtype).itemsize
+            check_allocation(nbytes)
+            try:
+                z = jnp.zeros((numel,), jdtype)
+            except Exception as e:
+                if is_resource_exhausted(e):
+                    raise out_of_memory_from(e, nbytes) from e
+                raise
+        else:
+            z = to_device(np.zeros((numel,), jdtype))
         if numel <= (1 << 16):
             _zeros_cache[key] = z
     return z
@@ -217,6 +227,7 @@ def new_tensor(size, dtype: torch.dtype, buf=None, stride=None) -> torch.Tensor:
     else:
         numel = _layout.storage_numel(size, stride, 0)
     if buf is None:
+        check_allocation(numel * dtype.itemsize, size)  # an int64 overflow would abort inside XLA
         buf = _zeros_flat(numel, dtypes.to_jax(dtype))
     t = _create_empty(_EMPTY, dtype)
     _set_storage(_CPU_KEYSET, t, new_storage(numel * dtype.itemsize, buf, dtype), 0, size, stride)
@@ -240,7 +251,14 @@ def grown_storage(t: torch.Tensor, nbytes: int) -> torch.UntypedStorage:
     (``resize_`` growing a tensor). Storages here are not resizable in place, so other views of
     the old storage keep the old one."""
     numel = -(-nbytes // t.dtype.itemsize)
-    return new_storage(nbytes, _layout.fit(storage_data(t).buf.reshape(-1), numel), t.dtype)
+    check_allocation(nbytes)
+    try:
+        buf = _layout.fit(storage_data(t).buf.reshape(-1), numel)
+    except Exception as e:
+        if is_resource_exhausted(e):
+            raise out_of_memory_from(e, nbytes) from e
+        raise
+    return new_storage(nbytes, buf, t.dtype)
 
 
 def _dev():

@@ -1,0 +1,158 @@
+"""``import torch`` alone makes the ``tpu`` device available: torch's ``torch.backends`` entry point.
+
+torch calls :func:`load` at the end of its own import (unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``).
+It imports neither JAX nor torchtpu; it only names the device and leaves stand-ins that import
+torchtpu on first use:
+
+- ``tpu`` parses as a device (PrivateUse1 renamed), and the first op on it (``torch.ones(2,
+  device="tpu")``, ``x.to("tpu")``) reaches a PrivateUse1 fallback that imports torchtpu, which
+  installs the real kernels, then runs the op again;
+- ``torch.tpu`` is a module whose first attribute read imports torchtpu;
+- the c10d backends ``tpu`` and ``tpu_dist`` (Ray Train's name) are registered once
+  ``torch.distributed`` is imported, with a creator that imports torchtpu;
+- TorchRec learns the ``tpu`` compute device when ``torchrec`` is imported (``torchtpu_rec`` is
+  imported right after it), so ``DistributedModelParallel(model, device=torch.device("tpu"))`` and
+  ``Topology(compute_device="tpu")`` need no project import.
+
+``torch.compile(backend="tpu")`` needs nothing here: Dynamo finds the backend through the
+``torch_dynamo_backends`` entry point. The package sits above the others (it may import torchtpu
+and torchtpu_rec, only inside functions) so that torchtpu itself imports none of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import threading
+import types
+
+_lock = threading.RLock()
+_state = {"loaded": False, "fallback": None}
+
+
+def _step_aside() -> None:
+    """Before torchtpu's own import (by whatever route): remove the stand-ins, so that it registers
+    its own ``torch.tpu`` and PrivateUse1 fallback (the CPU fallback)."""
+    import torch
+
+    with _lock:
+        lib = _state["fallback"]
+        if lib is not None:
+            _state["fallback"] = None
+            lib._destroy()
+        if isinstance(getattr(torch, "tpu", None), _LazyDeviceModule):
+            delattr(torch, "tpu")
+            sys.modules.pop("torch.tpu", None)
+
+
+def _import_torchtpu():
+    with _lock:
+        return importlib.import_module("torchtpu")
+
+
+class _LazyDeviceModule(types.ModuleType):
+    """``torch.tpu`` until torchtpu is imported: any attribute imports it and reads the real module."""
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        _import_torchtpu()
+        import torch
+
+        return getattr(torch.tpu, name)
+
+    def __dir__(self):
+        _import_torchtpu()
+        import torch
+
+        return dir(torch.tpu)
+
+
+def _first_tpu_op(op, *args, **kwargs):
+    """The first op on a tpu tensor or with ``device="tpu"``: import torchtpu, then run it."""
+    _import_torchtpu()
+    return op(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- torch.distributed
+def _create_process_group(*args, **kwargs):
+    torchtpu = _import_torchtpu()
+    return torchtpu.distributed.backend._create(*args, **kwargs)
+
+
+def _register_c10d() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    for name in ("tpu", "tpu_dist"):
+        if name not in dist.Backend.backend_list:
+            dist.Backend.register_backend(name, _create_process_group, extended_api=True, devices=["tpu", "cpu"])
+
+
+# ---------------------------------------------------------------- import hooks
+class _AroundImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs ``before()`` and ``after()`` around the first import of module ``name`` (its loader wrapped)."""
+
+    def __init__(self, name, before=None, after=None):
+        self.name = name
+        self.before = before
+        self.after = after
+        self.loader = None
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name or self.loader is not None:
+            return None
+        sys.meta_path.remove(self)  # one module, once: the real finders find it
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return None
+        self.loader = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        if self.before is not None:
+            self.before()
+        self.loader.exec_module(module)
+        if self.after is not None:
+            self.after()
+
+
+def _teach_torchrec() -> None:
+    importlib.import_module("torchtpu_rec")
+
+
+def _after_import(name, then) -> None:
+    if name in sys.modules:
+        then()
+    else:
+        sys.meta_path.insert(0, _AroundImport(name, after=then))
+
+
+# ---------------------------------------------------------------- the entry point
+def load() -> None:
+    """torch's ``torch.backends`` entry point (idempotent)."""
+    with _lock:
+        if _state["loaded"] or "torchtpu" in sys.modules:
+            _state["loaded"] = True
+            return
+        import torch
+
+        if torch._C._get_privateuse1_backend_name() not in ("privateuseone", "tpu"):
+            return  # another backend holds PrivateUse1: torchtpu's own import says so, if asked
+        torch.utils.rename_privateuse1_backend("tpu")
+        torch._register_device_module("tpu", _LazyDeviceModule("torch.tpu", "The tpu device module (torchtpu, "
+                                                                           "imported on first use)."))
+        lib = torch.library.Library("_", "IMPL")
+        lib.fallback(_first_tpu_op, "PrivateUse1")
+        _state["fallback"] = lib
+        sys.meta_path.insert(0, _AroundImport("torchtpu", before=_step_aside))
+        _after_import("torch.distributed", _register_c10d)
+        _after_import("torchrec", _teach_torchrec)
+        _state["loaded"] = True
