@@ -157,6 +157,8 @@ class RolloutBatch:
     - ``policy_version`` (B,) int64: the policy version that produced each sequence.
     - ``stopped`` (B,) bool: the sequence ended with a stop token (else at max_new_tokens).
     - ``temperature``: the sampling temperature (the learner scores log-probs with it).
+    - ``token_versions`` (B, R) int64 or None: the policy version that sampled each response token,
+      when weights changed mid-sequence (:class:`~torchtpu_rl.serving.ServingEngine`).
     """
 
     prompt_ids: torch.Tensor
@@ -168,6 +170,7 @@ class RolloutBatch:
     stopped: torch.Tensor
     pad_id: int = 0
     temperature: float = 1.0
+    token_versions: Optional[torch.Tensor] = None
 
     _TENSORS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "policy_version",
                 "stopped")
@@ -180,6 +183,9 @@ class RolloutBatch:
                 raise TypeError(f"RolloutBatch.{name} must be a tensor, not {type(t).__name__}")
             if t.shape[0] != B:
                 raise ValueError(f"RolloutBatch.{name} has {t.shape[0]} rows, prompt_ids has {B}")
+        if self.token_versions is not None and self.token_versions.shape != self.response_ids.shape:
+            raise ValueError(f"RolloutBatch.token_versions must have response_ids' shape "
+                             f"{tuple(self.response_ids.shape)}, not {tuple(self.token_versions.shape)}")
         if self.prompt_mask.shape != self.prompt_ids.shape:
             raise ValueError("RolloutBatch.prompt_mask must have prompt_ids' shape")
         for name in ("response_mask", "logprobs"):
@@ -233,7 +239,14 @@ class RolloutBatch:
 
     # ------------------------------------------------------------ moves and reshapes
     def _map(self, fn) -> "RolloutBatch":
-        return dataclasses.replace(self, **{n: fn(getattr(self, n)) for n in self._TENSORS})
+        tv = None if self.token_versions is None else fn(self.token_versions)
+        return dataclasses.replace(self, token_versions=tv, **{n: fn(getattr(self, n)) for n in self._TENSORS})
+
+    def token_versions_or_rows(self) -> torch.Tensor:
+        """(B, R) per-token policy versions: ``token_versions``, or each row's ``policy_version``."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return self.policy_version[:, None].expand(self.response_ids.shape).clone()
 
     def to(self, device) -> "RolloutBatch":
         return self._map(lambda t: t.to(device))
@@ -293,6 +306,8 @@ class RolloutBatch:
             stopped=torch.cat([b.stopped for b in batches]),
             pad_id=pad_id,
             temperature=batches[0].temperature,
+            token_versions=(None if all(b.token_versions is None for b in batches) else
+                            torch.cat([rp(b.token_versions_or_rows(), R, 0) for b in batches])),
         )
 
     def state(self) -> dict:
@@ -300,6 +315,8 @@ class RolloutBatch:
         cpu = self.to_cpu()
         out = {n: getattr(cpu, n) for n in self._TENSORS}
         out.update(pad_id=self.pad_id, temperature=self.temperature)
+        if cpu.token_versions is not None:
+            out["token_versions"] = cpu.token_versions
         return out
 
     @classmethod
