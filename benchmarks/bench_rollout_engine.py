@@ -19,8 +19,9 @@ useful tokens:
   = the longest drawn length (a static batch cannot stop a row early either).
 
 The static sides' tokens/s count the same useful tokens (each row up to its drawn length). Each
-tpu side is called once to compile (reported apart), then timed over ``--repeats`` calls that must
-compile nothing. Reported: tokens/s and its ratios, ``row_utilization`` (useful tokens / decode
+tpu side is called once to compile (reported apart); then every side is timed over ``--repeats``
+calls, interleaved (side after side per repeat, so the machine's load weighs on all alike), that
+must compile nothing. Reported: tokens/s and its ratios, ``row_utilization`` (useful tokens / decode
 rows computed; a static batch's is useful / (rows x steps)), ``prefill_tokens`` against the sum of
 the distinct prompts' lengths, peak KV bytes against the static cache the RolloutEngine allocates,
 compiles, and the ms per decode row-step of XLA on CPU (serving_tpu) against torch's (serving_cpu).
@@ -81,7 +82,7 @@ def main():
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--stream-slots", type=int, default=32, help="slots of the more-requests-than-slots side")
-    p.add_argument("--repeats", type=int, default=1, help="timed calls per side")
+    p.add_argument("--repeats", type=int, default=2, help="timed calls per side (interleaved)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small smoke run (a few minutes)")
     p.add_argument("--threads", type=int, default=THREADS, help="CPU threads for torch and XLA (default 1)")
@@ -153,27 +154,31 @@ def main():
 
     sides = {"serving_tpu": serving("tpu", N), "serving_tpu_%d" % args.stream_slots: serving("tpu", args.stream_slots),
              "serving_cpu": serving("cpu", N), "rollout_tpu": rollout(), "hf_cpu_generate": hf()}
-    res = {}
+    # every side warmed up (compiled) first, then the timed calls interleaved, side after side per
+    # repeat: the machine's load then weighs on every side alike
+    res = {name: {} for name in sides}
     for name, run in sides.items():
-        r = {}
         if name != "hf_cpu_generate":
             t0 = time.perf_counter()
             run()
-            r["warmup_call_s"] = time.perf_counter() - t0
-        c0 = torchtpu.metrics.snapshot()["compiles"]
-        times = []
-        for _ in range(args.repeats):
+            res[name]["warmup_call_s"] = time.perf_counter() - t0
+            print(f"  {name:<18} warm-up call {res[name]['warmup_call_s']:.1f} s", flush=True)
+    c0 = torchtpu.metrics.snapshot()["compiles"]
+    times = {name: [] for name in sides}
+    for _ in range(args.repeats):
+        for name, run in sides.items():
             t0 = time.perf_counter()
-            stats = run()
-            times.append(time.perf_counter() - t0)
-        r.update(stats)
-        r["timed_compiles"] = torchtpu.metrics.snapshot()["compiles"] - c0
-        r["seconds"] = statistics.median(times)
+            res[name].update(run())
+            times[name].append(time.perf_counter() - t0)
+    timed_compiles = torchtpu.metrics.snapshot()["compiles"] - c0
+    for name, r in res.items():
+        r["seconds"] = statistics.median(times[name])
+        r["calls_s"] = times[name]
         r["tokens_per_s"] = useful / r["seconds"]
         r["ms_per_row_step"] = r["seconds"] / r["decode_rows"] * 1e3
-        res[name] = r
         print(f"  {name:<18} {r['tokens_per_s']:8.0f} tok/s  {r['seconds']:7.2f} s  row_util {r['row_utilization']:.2f}"
-              f"  prefill {r['prefill_tokens']}  compiles {r['timed_compiles']}", flush=True)
+              f"  prefill {r['prefill_tokens']}  decode rows {r['decode_rows']}", flush=True)
+    print(f"  compiles during the timed calls: {timed_compiles} (must be 0)")
 
     base = res["serving_tpu"]
     ratios = {f"serving_tpu/{s} tokens/s": base["tokens_per_s"] / res[s]["tokens_per_s"]
@@ -195,7 +200,7 @@ def main():
         "workload": {"sequences": N, "useful_tokens": useful, "longest": longest,
                      "distinct_prompt_tokens": distinct_prompt_tokens, "static_kv_bytes": static_kv,
                      "kv_pages_budget": kv_pages},
-        "results": res, "ratios": ratios, "load": os.getloadavg(),
+        "results": res, "ratios": ratios, "load": os.getloadavg(), "compiles_during_timed_calls": timed_compiles,
         "cpu_fallbacks": torchtpu.metrics.snapshot()["cpu_fallbacks"]})
 
 
