@@ -142,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "ServingEngine (continuous batching over a paged KV cache with prefix sharing; no "
                         "--rollout-quantization, --rollout-dtype or LoRA)")
     g.add_argument("--max-slots", type=int, default=None,
-                   help="serving: sequences decoded at once per worker (default: a step's samples, "
-                        "--prompts-per-step x --group-size, at most 256)")
+                   help="serving: sequences decoded at once per worker (default: its share of a step's samples, "
+                        "--prompts-per-step / --rollout-workers x --group-size, at most 256)")
     g.add_argument("--page-size", type=int, default=None, help="serving: tokens per KV page (default 16)")
     g.add_argument("--kv-pages", type=int, default=None,
                    help="serving: the KV budget in pages of --page-size tokens per worker (default: every slot's "
@@ -401,7 +401,8 @@ def _engine_kwargs(args) -> dict:
 
     seq = args.max_prompt_tokens + args.max_new_tokens
     if args.engine == "serving":
-        slots = args.max_slots or min(256, args.prompts_per_step * args.group_size)
+        # default: a worker's share of a step's samples at once (the driver splits whole prompt groups)
+        slots = args.max_slots or min(256, -(-args.prompts_per_step // args.rollout_workers) * args.group_size)
         page = args.page_size or 16
         need = -(-seq // page)
         if args.kv_pages is not None and args.kv_pages < need:

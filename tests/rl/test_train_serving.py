@@ -81,8 +81,12 @@ def test_engine_options_from_a_config_file_and_their_defaults(run_inputs, tmp_pa
     name, cls, kw = workers.rollout_engine(s["engine_kwargs"])
     assert (name, cls.__name__, kw["kv_pages"]) == ("serving", "ServingEngine", 40)
     assert train.ENGINES == workers.ENGINES
+    # two workers: each decodes its share of the step (1 prompt x 4 samples) at once
+    two = train._setup(train.parse_args(["--config", str(path), "--out", str(tmp_path / "q"), "--rollout-workers",
+                                         "2"]))
+    assert two["engine_kwargs"]["max_slots"] == 4 and two["engine_kwargs"]["kv_pages"] == 20
     static = train._setup(train.parse_args(["--config", str(run_inputs / "run.yaml"), "--out", str(tmp_path / "p")]))
-    assert workers.rollout_engine(static["engine_kwargs"])[:2][1].__name__ == "RolloutEngine"
+    assert workers.rollout_engine(static["engine_kwargs"])[1].__name__ == "RolloutEngine"
 
 
 def test_an_option_the_engine_lacks_is_refused_naming_it():
