@@ -15,13 +15,13 @@ import yaml
 from test_train_entry import _read, run_inputs, xla_cache  # noqa: F401  (module fixtures reused)
 from torchtpu_rl import driver, train, workers
 
-KV_PAGES = 12
+KV_PAGES = 6  # 4 slots of sequences up to 5 pages: they preempt each other
 
 
 @pytest.fixture(scope="module")
 def serving_run(ray_driver, run_inputs, xla_cache):  # noqa: F811
     """The entry point as a user runs it (a Ray job of the command line), with the serving engine sized small
-    enough (4 slots, 12 pages of 8 tokens) that slots and pages are both shared."""
+    enough (4 slots, 6 pages of 8 tokens) that slots are shared and sequences preempt each other."""
     from ray_integration import jobs
 
     out = run_inputs / "out_serving"
@@ -47,6 +47,8 @@ def test_serving_engine_run_reports_its_figures_per_step(serving_run):
         assert r["decode_rows"] >= 1 and r["prefill_tokens"] >= 1
         assert r["prefix_hit_tokens"] >= 0 and r["preemptions"] >= 0
         assert 1 <= r["kv_pages_peak"] <= KV_PAGES
+    # 6 pages for 4 slots: preempted sequences are recomputed, their prefixes found in the prefix cache
+    assert sum(r["preemptions"] for r in rows) > 0 and sum(r["prefix_hit_tokens"] for r in rows) > 0
     meta = json.loads((serving_run / "checkpoints" / "step_2" / "run.json").read_text())
     assert meta["config"]["engine"] == "serving" and meta["config"]["kv_pages"] == KV_PAGES
     assert (serving_run / "hf" / "config.json").exists()
