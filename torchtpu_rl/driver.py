@@ -103,6 +103,24 @@ def ray_session(run_dir: Optional[str] = None, *, num_cpus: int = 2, object_stor
         head.stop()
 
 
+# The serving engine's per-call figures that a step reports, and how its workers' calls combine
+# (row_utilization: weighted by decode rows). The static engine reports none of them.
+ENGINE_STATS = {"useful_tokens": sum, "decode_rows": sum, "prefill_tokens": sum, "prefix_hit_tokens": sum,
+                "preemptions": sum, "kv_pages_peak": max}
+
+
+def engine_stats(results) -> dict:
+    """The step's :data:`ENGINE_STATS` over its rollout results (those whose engine reports them)."""
+    stats = [r.stats for r in results if "row_utilization" in r.stats]
+    if not stats:
+        return {}
+    out = {k: combine(s[k] for s in stats) for k, combine in ENGINE_STATS.items() if all(k in s for s in stats)}
+    rows = sum(s["decode_rows"] for s in stats)
+    kept = sum(s["row_utilization"] * s["decode_rows"] for s in stats if s["decode_rows"])
+    out["row_utilization"] = kept / rows if rows else float("nan")
+    return out
+
+
 @dataclasses.dataclass
 class _StepRollouts:
     step: int
@@ -692,6 +710,7 @@ class RLDriver:
             "sync_bytes": self.last_sync.get("bytes"),  # a LoRA learner sends its adapters only
             "faults": sum(1 for e in self.events if e["event"] == "worker_died" and e["step"] == sr.step),
         }
+        out.update(engine_stats(results))
         if self.mode == "sync":  # the sync's phases (async: the sync finishes during the next step)
             for k in ("pack_s", "publish_s", "fetch_s", "install_s", "cast_rel_error"):
                 if k in self.last_sync:

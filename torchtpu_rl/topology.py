@@ -17,7 +17,7 @@ import torch
 
 from . import weight_sync as ws
 from .sharded_learner import LearnerGroup, start_learner_group
-from .workers import LearnerWorker, RewardModelActor, RolloutWorker
+from .workers import LearnerWorker, RewardModelActor, RolloutWorker, rollout_engine
 
 __all__ = ["Topology", "make_topology"]
 
@@ -73,7 +73,9 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
     copy of the weights, re-quantized after every sync (``RolloutEngine(quantization=...)``); pair it
     with truncated importance sampling in the learner (``learner_kwargs={"tis_cap": 2.0}``). ``lora``
     (:class:`~torchtpu_rl.lora.LoraSpec`): the learner trains LoRA adapters of the policy and syncs
-    only them; the rollout workers merge them into their weights. Every actor is restarted by Ray up
+    only them; the rollout workers merge them into their weights. ``engine_kwargs["engine"]``:
+    ``"static"`` (default, :class:`~torchtpu_rl.rollout.RolloutEngine`) or ``"serving"``
+    (:class:`~torchtpu_rl.serving.ServingEngine`, which takes neither quantization nor LoRA). Every actor is restarted by Ray up
     to ``max_restarts`` times when it dies. ``sync_dtype=torch.bfloat16``: float32 weights travel to the
     workers as bfloat16 (weight_sync). ``learner_processes=N`` (> 1): the learner is N processes, one
     per host of a TPU slice of N hosts (``learner_slice``: its accelerator type or reservation; default:
@@ -102,6 +104,7 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
         engine_kwargs = {**(engine_kwargs or {}), "quantization": rollout_quantization}
     if lora is not None:
         engine_kwargs = {**(engine_kwargs or {}), "lora": lora}
+    rollout_engine(engine_kwargs)  # an engine option the chosen engine does not take: refused before any actor
     ws.check_sync_dtype(sync_dtype)
     base = {"num_cpus": 0, "runtime_env": {"env_vars": _actor_env()}, **(actor_options or {})}
     # on a TPU cluster the learner and each rollout worker get a chip (the learner on a slice's worker 0)

@@ -48,6 +48,7 @@ from typing import Optional
 __all__ = ["build_parser", "load_config", "main", "parse_args"]
 
 RUN_FORMAT = "torchtpu_rl.train/1"
+ENGINES = ("static", "serving")  # workers.ENGINES, spelled here: parsing flags imports no torch
 
 
 class TrainError(ValueError):
@@ -135,6 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="modules trained in full beside the adapters (peft's modules_to_save; repeatable or "
                         "comma-separated), e.g. lm_head: a small or freshly initialized model learns through its "
                         "output layer, which the adapters leave frozen")
+    g = p.add_argument_group("rollout engine")
+    g.add_argument("--engine", choices=ENGINES, default="static",
+                   help="static: RolloutEngine (a batch per call, prompts and responses padded to buckets); serving: "
+                        "ServingEngine (continuous batching over a paged KV cache with prefix sharing; no "
+                        "--rollout-quantization, --rollout-dtype or LoRA)")
+    g.add_argument("--max-slots", type=int, default=None,
+                   help="serving: sequences decoded at once per worker (default: its share of a step's samples, "
+                        "--prompts-per-step / --rollout-workers x --group-size, at most 256)")
+    g.add_argument("--page-size", type=int, default=None, help="serving: tokens per KV page (default 16)")
+    g.add_argument("--kv-pages", type=int, default=None,
+                   help="serving: the KV budget in pages of --page-size tokens per worker (default: every slot's "
+                        "longest sequence, --max-prompt-tokens + --max-new-tokens; fewer pages preempt and "
+                        "recompute sequences when they run out)")
     g = p.add_argument_group("topology")
     g.add_argument("--rollout-workers", type=int, default=1)
     g.add_argument("--learner-processes", type=int, default=1,
@@ -319,7 +333,7 @@ def _check_args(args) -> None:
             raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, not {v!r}")
     # optional sizes: absent means derived, given means >= 1
     for name in ("max_prompt_tokens", "mini_batch_size", "micro_batch_size", "micro_batch_tokens", "ray_num_cpus",
-                 "ray_object_store_mb"):
+                 "ray_object_store_mb", "max_slots", "page_size", "kv_pages"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, not {v!r}")
@@ -349,6 +363,7 @@ def _check_args(args) -> None:
                          "weight per reward, in order")
     if not args.temperature > 0:
         raise TrainError("--temperature must be > 0 for training rollouts (evaluation is greedy)")
+    _check_engine(args)
     if args.learner_processes > 1:
         n = args.learner_processes
         if args.algo != "grpo" or args.lora_rank or args.transport != "object_store":
@@ -358,6 +373,51 @@ def _check_args(args) -> None:
         if args.prompts_per_step % n:
             raise TrainError(f"--prompts-per-step {args.prompts_per_step} must be a multiple of --learner-processes "
                              f"{n} (each learner process trains on whole prompt groups)")
+
+
+def _check_engine(args) -> None:
+    """The rollout engine's flags: the serving engine's sizes only with it, and the static engine's options
+    that the serving engine does not have refused with it (inside an actor they would fail at its start)."""
+    if args.engine != "serving":
+        given = [f for f in ("max_slots", "page_size", "kv_pages") if getattr(args, f) is not None]
+        if given:
+            raise TrainError(f"--{given[0].replace('_', '-')} sizes the serving engine: give --engine serving "
+                             f"(the engine is --engine {args.engine})")
+        return
+    if args.rollout_quantization != "none":
+        raise TrainError(f"--rollout-quantization {args.rollout_quantization}: the serving engine (--engine serving) "
+                         "generates with the weights as synced; use --engine static for quantized rollouts")
+    if args.rollout_dtype and args.rollout_dtype != args.dtype:
+        raise TrainError(f"--rollout-dtype {args.rollout_dtype}: the serving engine (--engine serving) generates in "
+                         f"--dtype ({args.dtype}); use --engine static for another rollout dtype")
+    if args.lora_rank:
+        raise TrainError(f"--lora-rank {args.lora_rank}: the serving engine (--engine serving) does not merge LoRA "
+                         "adapters into its weights; use --engine static with LoRA")
+
+
+def _engine_kwargs(args) -> dict:
+    """The rollout workers' engine options (after :func:`_derive_from_model`: the prompt budget is known)."""
+    from torchtpu.bucketing import BucketPolicy
+
+    seq = args.max_prompt_tokens + args.max_new_tokens
+    if args.engine == "serving":
+        # default: a worker's share of a step's samples at once (the driver splits whole prompt groups)
+        slots = args.max_slots or min(256, -(-args.prompts_per_step // args.rollout_workers) * args.group_size)
+        page = args.page_size or 16
+        need = -(-seq // page)
+        if args.kv_pages is not None and args.kv_pages < need:
+            raise TrainError(f"--kv-pages {args.kv_pages} cannot hold one sequence: --max-prompt-tokens "
+                             f"{args.max_prompt_tokens} + --max-new-tokens {args.max_new_tokens} take {need} pages of "
+                             f"--page-size {page}")
+        return {"engine": "serving", "max_slots": slots, "page_size": page,
+                "kv_pages": args.kv_pages or slots * need}
+    kw = {"prompt_buckets": BucketPolicy.pow2(min(16, args.max_prompt_tokens), args.max_prompt_tokens, name="prompt"),
+          "response_buckets": BucketPolicy.pow2(min(8, args.max_new_tokens), args.max_new_tokens, name="response")}
+    if args.rollout_quantization != "none":
+        kw["quantization"] = args.rollout_quantization
+    if args.rollout_dtype and args.rollout_dtype != args.dtype:
+        kw["dtype"] = args.rollout_dtype
+    return kw
 
 
 def _check_floats(args) -> None:
@@ -759,8 +819,6 @@ def _setup(args) -> dict:
 
 
 def _check_inputs(args) -> dict:
-    from torchtpu.bucketing import BucketPolicy
-
     from . import hf
     from .data import load_prompts
     from .rewards import resolve_reward
@@ -799,14 +857,7 @@ def _check_inputs(args) -> dict:
     stops.update(gen_eos)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, stop_token_ids=tuple(sorted(stops)))
-    engine_kwargs = {"prompt_buckets": BucketPolicy.pow2(min(16, args.max_prompt_tokens), args.max_prompt_tokens,
-                                                         name="prompt"),
-                     "response_buckets": BucketPolicy.pow2(min(8, args.max_new_tokens), args.max_new_tokens,
-                                                           name="response")}
-    if args.rollout_quantization != "none":
-        engine_kwargs["quantization"] = args.rollout_quantization
-    if args.rollout_dtype and args.rollout_dtype != args.dtype:
-        engine_kwargs["dtype"] = args.rollout_dtype
+    engine_kwargs = _engine_kwargs(args)
     return dict(tokenizer=tokenizer, fingerprint=fingerprint, ckpt=ckpt, meta=meta, dataset=dataset, eval_set=eval_set,
                 lora=lora,
                 rewards=rewards, weights=weights, sampling=sampling, engine_kwargs=engine_kwargs,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import threading
 import time
@@ -39,6 +40,7 @@ from . import weight_sync as ws
 
 __all__ = [
     "ActorReward",
+    "ENGINES",
     "LearnerWorker",
     "RewardModelActor",
     "RolloutRequest",
@@ -70,6 +72,7 @@ class RolloutResult:
     pid: int
     seconds: float
     response_tokens: int
+    stats: dict = dataclasses.field(default_factory=dict)  # the engine's last_stats (numbers) for this call
 
 
 class WorkerNotReady(RuntimeError):
@@ -87,18 +90,46 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(int(seed) & 0x7FFFFFFFFFFFFFFF)  # seeds torch's CPU generator and torchtpu's key
 
 
+ENGINES = ("static", "serving")
+# what the worker sets itself (or RolloutEngine takes that ServingEngine does not: named in the refusal)
+_OWN_ARGS = ("self", "model", "pad_id", "device", "policy_version")
+
+
+def rollout_engine(engine_kwargs: Optional[dict]) -> tuple:
+    """``(engine name, engine class, its keyword arguments)`` for a rollout worker's ``engine_kwargs``: ``engine``
+    (``"static"``, the default: :class:`~torchtpu_rl.rollout.RolloutEngine`; ``"serving"``:
+    :class:`~torchtpu_rl.serving.ServingEngine`) picks the class, the rest go to it. An option the
+    chosen engine does not take is a ValueError naming it, raised where the topology is made (the
+    driver's process), not inside an actor."""
+    kw = dict(engine_kwargs or {})
+    engine = kw.pop("engine", "static")
+    if engine not in ENGINES:
+        raise ValueError(f"rollout engine must be one of {ENGINES}, not {engine!r}")
+    if engine == "static":
+        from .rollout import RolloutEngine as cls
+    else:
+        from .serving import ServingEngine as cls
+    taken = set(inspect.signature(cls.__init__).parameters) - set(_OWN_ARGS)
+    bad = sorted(k for k in kw if k not in taken)
+    if bad:
+        raise ValueError(f"the {engine} rollout engine ({cls.__name__}) does not take {', '.join(bad)}; it takes "
+                         f"{', '.join(sorted(taken))}")
+    return engine, cls, kw
+
+
 class RolloutWorker:
-    """A rollout worker: a :class:`~torchtpu_rl.rollout.RolloutEngine` on this process's chip."""
+    """A rollout worker: a :class:`~torchtpu_rl.rollout.RolloutEngine` (or, with
+    ``engine_kwargs["engine"] == "serving"``, a :class:`~torchtpu_rl.serving.ServingEngine`) on this
+    process's chip."""
 
     def __init__(self, policy_fn: Callable[[], torch.nn.Module], pad_id: int, worker_index: int = 0,
                  engine_kwargs: Optional[dict] = None, device: str = "tpu"):
         import torchtpu  # noqa: F401  (registers the device in this actor process)
 
-        from .rollout import RolloutEngine
-
+        self.engine_name, cls, kw = rollout_engine(engine_kwargs)
         self.worker_index = int(worker_index)
         model = policy_fn()
-        self.engine = RolloutEngine(model, pad_id, device=device, policy_version=-1, **(engine_kwargs or {}))
+        self.engine = cls(model, pad_id, device=device, policy_version=-1, **kw)
         self.receiver = ws.WeightReceiver(device="tpu" if torch.device(device).type == "tpu" else "cpu")
         self.version = -1  # no weights from the learner yet
         self._gen_lock = threading.Lock()
@@ -142,13 +173,16 @@ class RolloutWorker:
             self._generating = request.request_id
             try:
                 _seed_all(request.seed)
+                if self.engine_name == "serving":  # its draws are keyed by a request seed, not torch's RNG
+                    self.engine.seed = int(request.seed)
                 batch = self.engine.generate(request.prompts, request.params, policy_version=self.version)
                 version = self.version
+                stats = {k: v for k, v in self.engine.last_stats.items() if isinstance(v, (int, float))}
             finally:
                 self._generating = None
             self.counts["generate_calls"] += 1
         return RolloutResult(request.request_id, batch.state(), version, self.worker_index, os.getpid(),
-                             time.perf_counter() - t0, batch.num_response_tokens)
+                             time.perf_counter() - t0, batch.num_response_tokens, stats)
 
     # ------------------------------------------------------------ weight updates
     def _install(self, version: int, tensors: dict, seq: Optional[int]) -> dict:

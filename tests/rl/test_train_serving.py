@@ -1,0 +1,113 @@
+"""``python -m torchtpu_rl.train --engine serving``: the rollout workers generate with the request-level
+:class:`~torchtpu_rl.serving.ServingEngine`, its figures land in metrics.jsonl, and its flags (and the static
+engine's options it lacks) are checked before Ray starts. Same tiny model and data as test_train_entry."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+import yaml
+
+from test_train_entry import _read, run_inputs, xla_cache  # noqa: F401  (module fixtures reused)
+from torchtpu_rl import driver, train, workers
+
+KV_PAGES = 6  # 4 slots of sequences up to 5 pages: they preempt each other
+
+
+@pytest.fixture(scope="module")
+def serving_run(ray_driver, run_inputs, xla_cache):  # noqa: F811
+    """The entry point as a user runs it (a Ray job of the command line), with the serving engine sized small
+    enough (4 slots, 6 pages of 8 tokens) that slots are shared and sequences preempt each other."""
+    from ray_integration import jobs
+
+    out = run_inputs / "out_serving"
+    cmd = [sys.executable, "-m", "torchtpu_rl.train", "--config", str(run_inputs / "run.yaml"), "--steps", "2",
+           "--engine", "serving", "--max-slots", "4", "--page-size", "8", "--kv-pages", str(KV_PAGES),
+           "--lr", "0.003", "--out", str(out), "--no-progress", "--xla-cache", xla_cache, "--report-to", "none"]
+    env = {"OMP_NUM_THREADS": "1", "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+    job = jobs.submit(ray_driver.dashboard_url, cmd, env_vars=env)
+    status = jobs.wait(ray_driver.dashboard_url, job, timeout_s=600)
+    log = jobs.logs(ray_driver.dashboard_url, job)
+    assert status == "SUCCEEDED", log[-4000:]
+    return out
+
+
+def test_serving_engine_run_reports_its_figures_per_step(serving_run):
+    rows = _read(serving_run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and [r["policy_version"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["samples"] == 8 and 0 < r["response_length_mean"] <= 8
+        assert 0 < r["row_utilization"] <= 1, r
+        # every kept response token was decoded or sampled at the end of a prefill
+        assert r["useful_tokens"] == r["response_tokens"] > 0
+        assert r["decode_rows"] >= 1 and r["prefill_tokens"] >= 1
+        assert r["prefix_hit_tokens"] >= 0 and r["preemptions"] >= 0
+        assert 1 <= r["kv_pages_peak"] <= KV_PAGES
+    # 6 pages for 4 slots: preempted sequences are recomputed, their prefixes found in the prefix cache
+    assert sum(r["preemptions"] for r in rows) > 0 and sum(r["prefix_hit_tokens"] for r in rows) > 0
+    meta = json.loads((serving_run / "checkpoints" / "step_2" / "run.json").read_text())
+    assert meta["config"]["engine"] == "serving" and meta["config"]["kv_pages"] == KV_PAGES
+    assert (serving_run / "hf" / "config.json").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--engine", "serving", "--max-slots", "0"], "--max-slots must be a positive integer, not 0"),
+    (["--engine", "serving", "--page-size", "-1"], "--page-size must be a positive integer, not -1"),
+    (["--engine", "serving", "--kv-pages", "2"], "--kv-pages 2 cannot hold one sequence: --max-prompt-tokens 32 "
+                                                 r"\+ --max-new-tokens 8 take 3 pages of --page-size 16"),
+    (["--max-slots", "4"], "--max-slots sizes the serving engine: give --engine serving"),
+    (["--engine", "serving", "--rollout-quantization", "int8"], "--rollout-quantization int8: the serving engine"),
+    (["--engine", "serving", "--rollout-dtype", "bfloat16"], "--rollout-dtype bfloat16: the serving engine"),
+    (["--engine", "serving", "--lora-rank", "4"], "--lora-rank 4: the serving engine .* does not merge LoRA"),
+])
+def test_bad_engine_flags_exit_2_naming_the_flag_before_ray_starts(run_inputs, tmp_path, capsys,  # noqa: F811
+                                                                  flags, message):
+    argv = ["--config", str(run_inputs / "run.yaml"), "--out", str(tmp_path / "o")] + flags
+    assert train.cli(argv) == 2
+    assert re.search(message, capsys.readouterr().err)
+    with pytest.raises(train.TrainError, match=message):  # _setup: everything done before Ray starts
+        train._setup(train.parse_args(argv))
+
+
+def test_engine_options_from_a_config_file_and_their_defaults(run_inputs, tmp_path):  # noqa: F811
+    cfg = yaml.safe_load((run_inputs / "run.yaml").read_text())
+    path = tmp_path / "serving.yaml"
+    path.write_text(yaml.safe_dump({**cfg, "engine": "serving", "page_size": 8}))
+    s = train._setup(train.parse_args(["--config", str(path), "--out", str(tmp_path / "o")]))
+    # defaults: a step's 2 x 4 samples as slots, each slot room for 32 + 8 tokens (5 pages of 8)
+    assert s["engine_kwargs"] == {"engine": "serving", "max_slots": 8, "page_size": 8, "kv_pages": 40}
+    name, cls, kw = workers.rollout_engine(s["engine_kwargs"])
+    assert (name, cls.__name__, kw["kv_pages"]) == ("serving", "ServingEngine", 40)
+    assert train.ENGINES == workers.ENGINES
+    # two workers: each decodes its share of the step (1 prompt x 4 samples) at once
+    two = train._setup(train.parse_args(["--config", str(path), "--out", str(tmp_path / "q"), "--rollout-workers",
+                                         "2"]))
+    assert two["engine_kwargs"]["max_slots"] == 4 and two["engine_kwargs"]["kv_pages"] == 20
+    static = train._setup(train.parse_args(["--config", str(run_inputs / "run.yaml"), "--out", str(tmp_path / "p")]))
+    assert workers.rollout_engine(static["engine_kwargs"])[1].__name__ == "RolloutEngine"
+
+
+def test_an_option_the_engine_lacks_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"the serving rollout engine \(ServingEngine\) does not take lora, "
+                                         "quantization; it takes .*max_slots"):
+        workers.rollout_engine({"engine": "serving", "quantization": "int8", "lora": object()})
+    with pytest.raises(ValueError, match=r"rollout engine must be one of \('static', 'serving'\), not 'vllm'"):
+        workers.rollout_engine({"engine": "vllm"})
+
+
+def test_step_figures_combine_over_workers():
+    def result(**stats):
+        return workers.RolloutResult(0, {}, 1, 0, 0, 0.0, 0, stats)
+
+    a = result(useful_tokens=30, decode_rows=40, row_utilization=0.75, prefill_tokens=20, prefix_hit_tokens=4,
+               preemptions=1, kv_pages_peak=7, seconds=1.0)
+    b = result(useful_tokens=10, decode_rows=10, row_utilization=1.0, prefill_tokens=5, prefix_hit_tokens=0,
+               preemptions=0, kv_pages_peak=9, seconds=2.0)
+    assert driver.engine_stats([a, b]) == {"useful_tokens": 40, "decode_rows": 50, "prefill_tokens": 25,
+                                           "prefix_hit_tokens": 4, "preemptions": 1, "kv_pages_peak": 9,
+                                           "row_utilization": (30 + 10) / 50}
+    assert driver.engine_stats([result(seconds=1.0, response_tokens=3)]) == {}  # the static engine's figures
