@@ -229,3 +229,16 @@ def test_tpu_raises_what_cpu_raises(call):
 
 def test_device_works_after_the_fuzz():
     torch.testing.assert_close((torch.ones(3, device="tpu") * 2).cpu(), torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("call", [lambda x: torch.sort(x, 2), lambda x: torch.topk(x, 1, dim=5),
+                                  lambda x: torch.cumsum(x, 4), lambda x: torch.argmax(x, 2),
+                                  lambda x: torch.sort(x[0], 1)], ids=["sort", "topk", "cumsum", "argmax", "sort0d"])
+def test_dim_out_of_range_raises_cpu_index_error(call):
+    """A dim outside [-ndim, ndim) is PyTorch's IndexError on tpu too (it wrapped around silently)."""
+    x = torch.ones(3)
+    with pytest.raises(IndexError) as cpu:
+        call(x)
+    with pytest.raises(IndexError) as tpu:
+        call(x.to("tpu"))
+    assert str(tpu.value) == str(cpu.value)

@@ -782,10 +782,15 @@ def check_no_internal_overlap(t: torch.Tensor) -> None:
 
 
 def _cpu_zeros_expanded(v):
-    """A CPU twin of tpu tensor ``v`` that holds one zero, expanded to ``v``'s shape."""
-    if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+    """A CPU twin of tpu tensor ``v`` that holds one zero, expanded to ``v``'s shape. Small tensors get
+    real zeros with ``v``'s strides: CPU kernels check the layout of small operands (``_scaled_mm``'s
+    row-wise scales must be contiguous), and those cost nothing to allocate."""
+    if isinstance(v, torch.Tensor) and v.device.type != "cpu" and v.numel() > _EXPAND_TWIN_MIN_NUMEL:
         return torch.zeros((), dtype=v.dtype).expand(v.shape)
     return _cpu_zeros(v)
+
+
+_EXPAND_TWIN_MIN_NUMEL = 1 << 16
 
 
 # ops whose CPU kernels require all operands of one dtype (matrix products, convolutions, attention):

@@ -41,7 +41,11 @@ def _axes(x, dim):
 
 
 def _axis(x, dim):
-    """A single normalized dim (0-d tensors accept 0 and -1)."""
+    """A single normalized dim (0-d tensors accept 0 and -1); out of range is PyTorch's IndexError,
+    never a silent wrap-around."""
+    n = max(x.ndim, 1)
+    if not -n <= dim < n:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {dim})")
     return 0 if x.ndim == 0 else dim % x.ndim
 
 

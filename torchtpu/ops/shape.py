@@ -17,11 +17,7 @@ from jax import lax
 from ..dispatch.lowering import lower
 from ..runtime import layout
 from ..runtime.device import check_device
-from .reductions import stable_sort
-
-
-def _axis(x, dim):
-    return 0 if x.ndim == 0 else dim % x.ndim
+from .reductions import _axis, stable_sort
 
 
 # ---------------------------------------------------------------- cat / flip / roll / repeat
