@@ -167,14 +167,7 @@ def memory_info(d=None) -> tuple[int, int]:
 
 
 def total_memory(d=None) -> int:
-    d = d or device()
-    try:
-        s = d.memory_stats()
-    except Exception:  # noqa: BLE001 - a backend without memory stats (XLA CPU)
-        s = None
-    if s and "bytes_limit" in s:
-        return int(s["bytes_limit"])
-    return _host_memory()
+    return memory_info(d)[1]
 
 
 def device_name(d=None) -> str:
