@@ -396,7 +396,28 @@ def _is_int_list(p):
 ROLLOUT_QUANTIZATION = {"int8": "int8_dynamic", "int8_weight_only": "int8_weight_only", "fp8": "fp8_weight_only"}
 
 
-class RolloutEngine:
+class PauseGate:
+    """The weight-swap protocol's pause/resume, shared by the rollout engines: ``pause`` takes the engine's
+    generate lock (``self._lock``) and records the pausing thread (``self._paused_by``), so in-flight
+    generation finishes first and new calls wait until ``resume``."""
+
+    def pause(self) -> None:
+        """Wait for in-flight generation to finish and block new calls (until :meth:`resume`)."""
+        self._lock.acquire()
+        self._paused_by = threading.get_ident()
+
+    def resume(self) -> None:
+        if self._paused_by is None:
+            raise RuntimeError(f"{type(self).__name__}.resume() without pause()")
+        self._paused_by = None
+        self._lock.release()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused_by is not None
+
+
+class RolloutEngine(PauseGate):
     """Batched generation for a causal-LM policy on ``device``.
 
     ``prompt_buckets``, ``response_buckets``, ``batch_buckets`` (:class:`BucketPolicy`) fix the
@@ -508,21 +529,6 @@ class RolloutEngine:
         return self.model.init_kv_cache(batch, slots, device=self.device)
 
     # ------------------------------------------------------------ weight-swap protocol
-    def pause(self) -> None:
-        """Wait for in-flight generation to finish and block new calls (until :meth:`resume`)."""
-        self._lock.acquire()
-        self._paused_by = threading.get_ident()
-
-    def resume(self) -> None:
-        if self._paused_by is None:
-            raise RuntimeError("RolloutEngine.resume() without pause()")
-        self._paused_by = None
-        self._lock.release()
-
-    @property
-    def paused(self) -> bool:
-        return self._paused_by is not None
-
     def drop_cache(self) -> None:
         """Free the KV caches (they are rebuilt on the next generate)."""
         self._caches.clear()

@@ -65,7 +65,7 @@ from torchtpu.bucketing import BucketPolicy
 
 from .kv_pages import SCRATCH_PAGE, PageAllocator, PagedCache, PrefixCache, _kv_shape, kv_bytes_per_token
 from .policy import is_hf_model
-from .rollout import RolloutBatch, SamplingParams
+from .rollout import PauseGate, RolloutBatch, SamplingParams
 
 __all__ = ["RequestOutput", "SampleOutput", "ServingEngine", "UPDATE_MODES", "sample_rows"]
 
@@ -294,7 +294,7 @@ class _PendingUpdate:
 
 
 # ================================================================= the engine
-class ServingEngine:
+class ServingEngine(PauseGate):
     """Continuous-batching generation for a Hugging Face causal LM on ``device``.
 
     ``max_slots``: sequences decoded at once. ``page_size``: tokens per KV page. The KV budget is
@@ -844,21 +844,6 @@ class ServingEngine:
                 req.params.temperature, self.pad_id))
 
     # ------------------------------------------------------------ weights
-    def pause(self) -> None:
-        """Wait for the running ``generate`` (or step) to finish and block new ones until :meth:`resume`."""
-        self._lock.acquire()
-        self._paused_by = threading.get_ident()
-
-    def resume(self) -> None:
-        if self._paused_by is None:
-            raise RuntimeError("ServingEngine.resume() without pause()")
-        self._paused_by = None
-        self._lock.release()
-
-    @property
-    def paused(self) -> bool:
-        return self._paused_by is not None
-
     def drop_cache(self) -> None:
         """Forget the prefix cache (its pages go back to the pool)."""
         with self._lock:
