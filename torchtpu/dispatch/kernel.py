@@ -323,10 +323,10 @@ class Kernel:
         return k if bits is None else k + (bits,)
 
     # ---------------------------------------------------------------- building an executable
-    def _meta_args(self, vals):
+    def _meta_args(self, vals, cpu_scalars=True):
         def to_meta(t):
             if isinstance(t, torch.Tensor):
-                if t.device.type == "cpu" and t.dim() == 0:
+                if cpu_scalars and t.device.type == "cpu" and t.dim() == 0:
                     return t
                 return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
             if isinstance(t, torch.device) and t.type == "tpu":
@@ -340,6 +340,13 @@ class Kernel:
             else:
                 margs.append(to_meta(v))
         return margs
+
+    def _has_cpu_scalar(self, vals):
+        for i, v in enumerate(vals):
+            for t in (v if self.kinds[i] in (_TL, _OTL) else (v,)):
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() == 0:
+                    return True
+        return False
 
     def _build(self, key, vals, nbufs, warned=False):
         with self.lock:
@@ -392,15 +399,24 @@ class Kernel:
 
     def _compute_meta(self, vals):
         """Output (shape, dtype[, strides]) tree from PyTorch's meta kernel (None if there is none)."""
-        margs = self._meta_args(vals)
-        pos = margs[: self.npos]
-        kw = {self.names[i]: margs[i] for i in range(self.npos, len(margs))}
-        try:
+        def run_meta(margs):
+            pos = margs[: self.npos]
+            kw = {self.names[i]: margs[i] for i in range(self.npos, len(margs))}
             if self.lowering.meta is not None:
-                out = self.lowering.meta(*pos, **kw)
-            else:
-                # for in-place ops this validates shapes and casts the way PyTorch does
-                out = self.op(*pos, **kw)
+                return self.lowering.meta(*pos, **kw)
+            # for in-place ops this validates shapes and casts the way PyTorch does
+            return self.op(*pos, **kw)
+
+        try:
+            try:
+                out = run_meta(self._meta_args(vals))
+            except RuntimeError:
+                # a CPU 0-dim operand stays on CPU for meta (as device kernels take it), but some of
+                # PyTorch's Python references refuse the mix (copysign): as a meta 0-dim tensor it
+                # promotes the same way
+                if not self._has_cpu_scalar(vals):
+                    raise
+                out = run_meta(self._meta_args(vals, cpu_scalars=False))
         except Exception as e:
             msg = str(e).lower()
             if isinstance(e, (NotImplementedError, RuntimeError)) and "meta" in msg and (
