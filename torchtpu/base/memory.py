@@ -14,7 +14,9 @@ class MemoryStats:
     """Bytes of live device buffers, counted per storage."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        # reentrant: a storage's __del__ (sub) can run inside add on the same thread, when the
+        # garbage collector or a tracer (coverage, hypothesis) runs Python code there
+        self.lock = threading.RLock()
         self.allocated = 0
         self.peak = 0
         self.num_storages = 0
