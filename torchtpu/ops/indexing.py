@@ -26,7 +26,7 @@ from jax import lax
 from ..base import dtypes
 from ..base.frames import warn_at_user_line, warn_once_at_user_line
 from ..dispatch import fallback
-from ..dispatch.kernel import Kernel
+from ..dispatch.kernel import MIXED_DEVICE, Kernel
 from ..dispatch.lowering import Lowering, impl, lower
 from ..runtime import layout, storage
 from ..runtime.checks import check_index
@@ -98,6 +98,8 @@ def _index_select_meta(x, dim, index):
         raise IndexError("index_select(): Index is supposed to be a vector")
     if index.dtype not in (torch.int32, torch.int64):
         raise RuntimeError("index_select(): Expected dtype int32 or int64 for index")
+    if x.dim() and x.shape[dim] == 0 and index.numel():
+        raise RuntimeError("index_select(): self indexing axis dim should be positive")
     return aten.index_select.default(x, dim, index)
 
 
@@ -478,8 +480,19 @@ def _check_bounds(idx, n, error, negative=True):
         raise error(int(idx[np.argmax(bad)]), n)
 
 
+def _check_operands_on_tpu(self, values=None):
+    """Only the indices may be CPU tensors (as for cuda); a CPU ``self``, or CPU ``values`` that are not
+    a 0-dim scalar, are refused as cuda refuses them, not moved silently."""
+    for t in (self, values):
+        if isinstance(t, torch.Tensor) and t.device.type != "tpu" and not (t is values and t.dim() == 0):
+            raise RuntimeError(MIXED_DEVICE.format("tpu:0", t.device))
+
+
 @impl("index.Tensor")
 def _index(self, indices):
+    if self.device.type != "tpu":
+        raise RuntimeError(f"indices should be either on cpu or on the same device as the indexed tensor "
+                           f"({self.device})")
     try:
         ind = _expand_masks(self, indices)
     except _Route:
@@ -489,6 +502,7 @@ def _index(self, indices):
 
 @impl("index_put")
 def _index_put(self, indices, values, accumulate=False):
+    _check_operands_on_tpu(self, values)
     try:
         ind = _expand_masks(self, indices)
     except _Route:
@@ -498,6 +512,7 @@ def _index_put(self, indices, values, accumulate=False):
 
 @impl("index_put_")
 def _index_put_(self, indices, values, accumulate=False):
+    _check_operands_on_tpu(self, values)
     _index_put_expanded(self)
     try:
         ind = _expand_masks(self, indices)
@@ -508,6 +523,7 @@ def _index_put_(self, indices, values, accumulate=False):
 
 @impl("_index_put_impl_")
 def _index_put_impl_(self, indices, values, accumulate=False, unsafe=False):
+    _check_operands_on_tpu(self, values)
     _index_put_expanded(self)
     try:
         ind = _expand_masks(self, indices)

@@ -854,10 +854,32 @@ def _convolution_fwd(x, w, bias, stride, padding, dilation, transposed, output_p
     return out
 
 
-lower("convolution", "convolution_overrideable")(_convolution_fwd)
+def _check_conv_bias(w, bias, transposed, groups):
+    """CPU's check of the bias' shape, which PyTorch's meta kernel leaves out (a 0-dim bias broadcast)."""
+    if bias is None:
+        return
+    n = w.shape[1] * groups if transposed else w.shape[0]
+    if bias.dim() != 1 or bias.shape[0] != n:
+        given = f"Given transposed=1, weight of size {list(w.shape)}" if transposed else f"Given weight of size {list(w.shape)}"
+        raise RuntimeError(f"{given}, expected bias to be 1-dimensional with {n} elements, but got bias of size "
+                           f"{list(bias.shape)} instead")
 
 
-@lower("_convolution")
+def _convolution_meta(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    _check_conv_bias(w, bias, transposed, groups)
+    return aten.convolution.default(x, w, bias, stride, padding, dilation, transposed, output_padding, groups)
+
+
+def _convolution_full_meta(x, w, bias, stride, padding, dilation, transposed, output_padding, groups, *flags):
+    _check_conv_bias(w, bias, transposed, groups)
+    return aten._convolution.default(x, w, bias, stride, padding, dilation, transposed, output_padding, groups,
+                                     *flags)
+
+
+lower("convolution", "convolution_overrideable", meta=_convolution_meta)(_convolution_fwd)
+
+
+@lower("_convolution", meta=_convolution_full_meta)
 def _convolution_full(x, w, bias, stride, padding, dilation, transposed, output_padding, groups, benchmark,
                       deterministic, cudnn_enabled, allow_tf32):
     return _convolution_fwd(x, w, bias, stride, padding, dilation, transposed, output_padding, groups)

@@ -269,7 +269,7 @@ def _logsumexp(x, dim, keepdim=False):
     axes = _axes(x, dim)
     if not axes:
         return x
-    m = jnp.max(x, axis=axes, keepdims=True)
+    m = jnp.max(x, axis=axes, keepdims=True, initial=-jnp.inf)  # (initial: an empty slice gives -inf)
     # an all -inf (or +inf) slice must not produce inf - inf = nan
     m = jnp.where(jnp.isinf(m), jnp.zeros_like(m), lax.stop_gradient(m))
     s = jnp.log(jnp.sum(jnp.exp(x - m), axis=axes, keepdims=True)) + m
