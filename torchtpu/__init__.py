@@ -77,6 +77,11 @@ from . import thirdparty_noise as _thirdparty_noise  # noqa: E402
 
 _thirdparty_noise.install()  # two exact, harmless torchao / pytree log lines
 
+from . import hf_generate as _hf_generate  # noqa: E402
+
+if _hf_generate.enabled():
+    _hf_generate.install_when_imported()  # HF generate on tpu at fixed shapes, once transformers is imported
+
 
 def device() -> torch.device:
     """The ``tpu`` device of this process (``torch.device("tpu", 0)``)."""

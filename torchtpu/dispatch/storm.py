@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from ..base import metrics
 from . import fallback
 
@@ -72,7 +74,7 @@ def run_shape_generic(kernel, key, numel: int) -> bool:
     together, nothing pending) run through the CPU kernel rather than compile? Counts the key."""
     limit = POLICY.executables
     if (limit is None or len(kernel.cache) < limit or numel > POLICY.max_numel or kernel.lowering.random
-            or not fallback.cpu_fallback_enabled()):
+            or not fallback.cpu_fallback_enabled() or not _has_cpu_kernel(kernel.op)):
         return False
     n = _seen.get(key, 0) + 1
     if n >= POLICY.compile_after:
@@ -83,6 +85,20 @@ def run_shape_generic(kernel, key, numel: int) -> bool:
     _seen[key] = n
     metrics.record_shape_generic(kernel.name)
     return True
+
+
+_cpu_kernel: dict = {}  # op -> whether PyTorch has a CPU kernel for it
+
+
+def _has_cpu_kernel(op) -> bool:
+    """Our own ops (``torchtpu::sdpa_fwd``) have no CPU kernel: they always compile."""
+    has = _cpu_kernel.get(op)
+    if has is None:
+        name = op.name()
+        has = _cpu_kernel[op] = (torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
+                                 or torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd")
+                                 or torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd"))
+    return has
 
 
 def run(kernel, vals):

@@ -1,0 +1,238 @@
+"""Hugging Face ``model.generate`` on tpu without a compile per token.
+
+Hugging Face's decoding loop grows ``input_ids`` and ``attention_mask`` by one column per step
+(``torch.cat``) and checks the stopping criteria on the grown tensors, so on tpu every step meets
+new shapes: each op compiles again for every sequence length, and a DynamicCache grows the keys
+and values the same way. For a decoder-only model on tpu, :func:`install` (done by ``import
+torchtpu`` once ``transformers`` is imported) serves greedy and sampling ``generate`` with fixed
+shapes instead:
+
+- the prompt is left-padded to a power-of-two bucket (pad tokens, attention mask 0) and a
+  ``StaticCache`` of a bucketed length ``L >= padded prompt + max_new_tokens`` holds the keys
+  and values, whichever cache the user asked for (a DynamicCache's output is the same tokens);
+- the sequences live in one ``[batch, L]`` buffer; each new token is written with ``index_copy_``
+  at a device-side step index, and the position ids advance as a device tensor, so every decode
+  step runs the same programs: one compiled forward (``torch.compile`` with the ``"tpu"``
+  backend, as transformers does for a static cache) plus a few fixed-shape eager ops;
+- the attention mask is built once at length ``L``: the prompt's mask (zeros at the left
+  padding), then ones. Hugging Face appends a one per generated token, and a column past the
+  current position is hidden by the causal mask anyway, so every step attends to exactly the
+  keys it attends to in Hugging Face's loop;
+- position ids are Hugging Face's (``cumsum(mask) - 1``, then one more per step), so the extra
+  left padding moves no real token's rotary position;
+- logits processors and stopping criteria see ``input_ids`` as a view of the buffer
+  (``buf[:, start:cur]``, metadata only), of the same shape and values as Hugging Face's;
+  the end-of-sequence criterion is evaluated on the new token, as ``EosTokenCriteria`` does;
+- "all sequences finished" is read on the host every ``SYNC_EVERY`` steps; the steps that
+  finished sequences keep taking are counted on the device, so the output is cut at exactly the
+  step where Hugging Face's loop stops.
+
+A new prompt-length bucket or cache bucket compiles a few programs (the compiled prefill and
+decode forwards and the buffer set-up); after that a call compiles nothing. What the fast path
+does not cover runs Hugging Face's own loop unchanged: encoder-decoder models, streamers,
+``return_dict_in_generate``, a cache passed in by the user, stopping criteria other than
+max-length and end-of-sequence, ``prefill_chunk_size``, ``inputs_embeds``, models without
+static-cache support, and any call not on tpu. ``TORCHTPU_HF_GENERATE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import torch
+
+from .bucketing import BucketPolicy
+
+SYNC_EVERY = 4  # decode steps between host reads of "every sequence finished"
+LENGTHS = BucketPolicy.pow2(16, 1 << 20, name="hf_generate")  # padded prompt and cache lengths
+
+_state = {"installed": False, "fast_calls": 0, "hf_calls": 0, "last_reason": None}
+
+
+def enabled() -> bool:
+    return os.environ.get("TORCHTPU_HF_GENERATE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def stats() -> dict:
+    """Calls served by the fixed-shape loop (``fast_calls``), by Hugging Face's loop on tpu
+    (``hf_calls``), and why the last one was not served (``last_reason``)."""
+    return dict(_state)
+
+
+def install() -> None:
+    """Route tpu calls of ``GenerationMixin._sample`` (greedy and sampling ``generate``) through the
+    fixed-shape loop. Idempotent; imports transformers, so call it once transformers is imported."""
+    if _state["installed"]:
+        return
+    from transformers.generation.utils import GenerationMixin
+
+    original = GenerationMixin._sample
+
+    @functools.wraps(original)
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+        if input_ids.device.type == "tpu":
+            reason = _unsupported(self, stopping_criteria, generation_config, synced_gpus, streamer, model_kwargs)
+            _state["last_reason"] = reason
+            if reason is None:
+                _state["fast_calls"] += 1
+                return _fixed_shape_sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                           model_kwargs)
+            _state["hf_calls"] += 1
+        return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                        synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+
+    GenerationMixin._sample = _sample
+    _state["installed"] = True
+
+
+def install_when_imported() -> None:
+    """:func:`install` now if transformers' generation module is loaded, else right after it is."""
+    if "transformers.generation.utils" in sys.modules:
+        install()
+        return
+    import importlib.abc
+    import importlib.util
+
+    class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, fullname, path=None, target=None):
+            if fullname != "transformers.generation.utils":
+                return None
+            sys.meta_path.remove(self)  # once: the real finders find the module
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None:
+                return None
+            self.loader, spec.loader = spec.loader, self
+            return spec
+
+        def create_module(self, spec):
+            return self.loader.create_module(spec)
+
+        def exec_module(self, module):
+            self.loader.exec_module(module)
+            if enabled():
+                install()
+
+    sys.meta_path.insert(0, _AfterImport())
+
+
+def _unsupported(model, stopping_criteria, cfg, synced_gpus, streamer, model_kwargs):
+    """Why this call must run Hugging Face's own loop (None: the fixed-shape loop serves it)."""
+    from transformers.cache_utils import Cache
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    if not enabled():
+        return "TORCHTPU_HF_GENERATE=0"
+    if model.config.is_encoder_decoder:
+        return "encoder-decoder model"
+    if not getattr(model, "_can_compile_fullgraph", False):
+        return f"{type(model).__name__} has no static-cache support"
+    if synced_gpus or streamer is not None:
+        return "synced_gpus or a streamer"
+    if cfg.return_dict_in_generate:
+        return "return_dict_in_generate"
+    if getattr(cfg, "prefill_chunk_size", None) is not None:
+        return "prefill_chunk_size"
+    if getattr(cfg, "is_assistant", False):
+        return "assisted generation"
+    if model_kwargs.get("inputs_embeds") is not None:
+        return "inputs_embeds"
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and (not isinstance(cache, Cache) or getattr(cache, "_is_user_defined", False)
+                              or cache.get_seq_length() != 0):
+        return "a cache passed in by the caller"
+    extra = set(model_kwargs) - {"attention_mask", "position_ids", "past_key_values", "use_cache",
+                                 "logits_to_keep", "output_attentions", "output_hidden_states"}
+    if extra:
+        return f"model kwargs {sorted(extra)}"
+    if model_kwargs.get("use_cache") is False:
+        return "use_cache=False"
+    kinds = {type(c) for c in stopping_criteria}
+    if not kinds <= {MaxLengthCriteria, EosTokenCriteria} or MaxLengthCriteria not in kinds:
+        return f"stopping criteria {sorted(k.__name__ for k in kinds)}"
+    return None
+
+
+def _compiled(model, kind):
+    """One ``torch.compile`` of the model's call per kind ("prefill", "decode"), with the ``"tpu"``
+    backend and static shapes: separate objects, so prompt buckets never evict the decode graph."""
+    attr = f"_torchtpu_{kind}_call"
+    fn = model.__dict__.get(attr)
+    if fn is None:
+        fn = torch.compile(model.__call__, backend="tpu", dynamic=False)
+        model.__dict__[attr] = fn
+    return fn
+
+
+def _fixed_shape_sample(model, input_ids, logits_processor, stopping_criteria, cfg, model_kwargs):
+    from transformers.cache_utils import StaticCache
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    batch, prompt = input_ids.shape
+    max_length = min(c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria))
+    new_tokens = max(max_length - prompt, 0)
+    dev = input_ids.device
+    eos = [c.eos_token_id for c in stopping_criteria if isinstance(c, EosTokenCriteria)]
+    eos = torch.cat([e.reshape(-1).to(dev) for e in eos]) if eos else None
+    pad_value = cfg._pad_token_tensor
+    pad_value = int(pad_value) if pad_value is not None else 0
+    if new_tokens == 0:
+        return input_ids
+
+    padded = LENGTHS.bucket(prompt)
+    left = padded - prompt
+    length = LENGTHS.bucket(padded + new_tokens)
+    mask = model_kwargs.get("attention_mask")
+    if mask is None:
+        mask = torch.ones_like(input_ids)
+    positions = model_kwargs.get("position_ids")
+    if positions is None:
+        positions = mask.long().cumsum(-1) - 1
+        positions = positions.masked_fill(mask == 0, 0)
+
+    pad = torch.nn.functional.pad
+    prefill_ids = pad(input_ids, (left, 0), value=pad_value)
+    seq = pad(prefill_ids, (0, length - padded), value=pad_value)  # the sequence buffer
+    full_mask = pad(pad(mask.long(), (left, 0), value=0), (0, length - padded), value=1)
+    prefill_pos = pad(positions, (left, 0), value=0)
+    pos = positions[:, -1:] + 1  # the position of the next token fed, per row
+    write_at = torch.tensor([padded], dtype=torch.long, device=dev)  # the buffer column of the next token
+    unfinished = torch.ones(batch, dtype=torch.long, device=dev)
+    steps_alive = torch.zeros((), dtype=torch.long, device=dev)  # steps after which some row was unfinished
+
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    common = dict(attention_mask=full_mask, past_key_values=cache, use_cache=True, return_dict=True)
+    if model._supports_logits_to_keep():
+        common["logits_to_keep"] = 1
+    out = _compiled(model, "prefill")(input_ids=prefill_ids, position_ids=prefill_pos, **common)
+    decode = _compiled(model, "decode")
+    pad_t = torch.tensor(pad_value, dtype=torch.long, device=dev)
+    done = new_tokens
+    for step in range(new_tokens):
+        logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+        del out
+        scores = logits_processor(seq[:, left:padded + step], logits)
+        if cfg.do_sample:
+            probs = torch.nn.functional.softmax(scores, dim=-1)
+            token = torch.multinomial(probs, num_samples=1).squeeze(1)
+        else:
+            token = torch.argmax(scores, dim=-1)
+        if eos is not None:
+            token = token * unfinished + pad_t * (1 - unfinished)
+        seq.index_copy_(1, write_at, token[:, None])
+        write_at.add_(1)
+        if eos is not None:
+            unfinished = unfinished & ~torch.isin(token, eos)
+            alive = unfinished.max()
+            steps_alive.add_(alive)
+            if (step + 1) % SYNC_EVERY == 0 and step + 1 < new_tokens and int(alive) == 0:
+                done = int(steps_alive) + 1
+                break
+        if step + 1 < new_tokens:
+            out = decode(input_ids=token[:, None], position_ids=pos, **common)
+            pos.add_(1)
+    if eos is not None and done == new_tokens:
+        done = min(int(steps_alive) + 1, new_tokens)
+    return seq[:, left:padded + done]
