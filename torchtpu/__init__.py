@@ -56,7 +56,7 @@ from .dispatch.fallback import TPUFallbackWarning, cpu_fallback_enabled, set_cpu
 from .dispatch.storm import set_shape_storm_policy, shape_storm_policy  # noqa: E402
 from .interop import assign_jax, from_jax, to_jax  # noqa: E402
 from .runtime.checks import DeviceIndexError  # noqa: E402
-from .base.xla_cache import disable_persistent_cache, enable_persistent_cache  # noqa: E402
+from .base.xla_cache import cache_stats, disable_persistent_cache, enable_persistent_cache  # noqa: E402
 from .runtime.modes import (  # noqa: E402
     execution_mode,
     get_execution_mode,
@@ -96,6 +96,7 @@ __all__ = [
     "cpu_fallback_enabled",
     "device",
     "disable_persistent_cache",
+    "cache_stats",
     "enable_persistent_cache",
     "execution_mode",
     "from_jax",

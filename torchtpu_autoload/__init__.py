@@ -14,6 +14,10 @@ torchtpu on first use:
   imported right after it), so ``DistributedModelParallel(model, device=torch.device("tpu"))`` and
   ``Topology(compute_device="tpu")`` need no project import.
 
+``TORCHTPU_TORCH_TPU_COMPAT=1`` (opt-in) also serves ``import torch_tpu`` (Ray Train's TPU path
+imports that name) from torchtpu's stand-in, unless a real ``torch_tpu`` is installed
+(:func:`enable_torch_tpu_compat`).
+
 ``torch.compile(backend="tpu")`` needs nothing here: Dynamo finds the backend through the
 ``torch_dynamo_backends`` entry point. The package sits above the others (it may import torchtpu
 and torchtpu_rec, only inside functions) so that torchtpu itself imports none of them.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import sys
 import threading
 import types
@@ -135,10 +140,73 @@ def _after_import(name, then) -> None:
         sys.meta_path.insert(0, _AroundImport(name, after=then))
 
 
+# ---------------------------------------------------------------- torch_tpu (opt-in)
+COMPAT_ENV = "TORCHTPU_TORCH_TPU_COMPAT"
+_COMPAT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_tpu_compat")
+
+
+class _TorchTPUCompatFinder(importlib.abc.MetaPathFinder):
+    """Finds ``torch_tpu`` (torchtpu's stand-in) when no finder before it did: it sits last on
+    ``sys.meta_path``, so a real ``torch_tpu`` on the path is always found first."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch_tpu":
+            return None  # its submodules are found on the package's __path__ (the stand-in's directory)
+        return importlib.util.spec_from_file_location(
+            "torch_tpu", os.path.join(_COMPAT_DIR, "__init__.py"), submodule_search_locations=[_COMPAT_DIR])
+
+
+def torch_tpu_is_compat() -> bool:
+    """Whether ``import torch_tpu`` gives torchtpu's stand-in (False: a real one, or none)."""
+    mod = sys.modules.get("torch_tpu")
+    if mod is not None:
+        return getattr(mod, "IS_TORCHTPU_COMPAT", False)
+    return any(isinstance(f, _TorchTPUCompatFinder) for f in sys.meta_path) and _real_torch_tpu() is None
+
+
+def _real_torch_tpu():
+    for finder in sys.meta_path:
+        if isinstance(finder, _TorchTPUCompatFinder) or not hasattr(finder, "find_spec"):
+            continue
+        spec = finder.find_spec("torch_tpu", None)
+        if spec is not None:
+            return spec
+    return None
+
+
+def enable_torch_tpu_compat() -> bool:
+    """Serve ``import torch_tpu`` (and ``torch_tpu._loader.load()``, which imports torchtpu) from
+    torchtpu's stand-in, so that Ray Train's ``ScalingConfig(use_tpu=True)`` path runs on tpu.
+
+    Opt-in (``TORCHTPU_TORCH_TPU_COMPAT=1`` does it at ``import torch``); stands aside for a real
+    ``torch_tpu``: returns False and changes nothing when one is installed or already imported.
+    True when the stand-in serves the name (idempotent)."""
+    with _lock:
+        mod = sys.modules.get("torch_tpu")
+        if mod is not None:
+            return bool(getattr(mod, "IS_TORCHTPU_COMPAT", False))
+        if _real_torch_tpu() is not None:
+            return False
+        if not any(isinstance(f, _TorchTPUCompatFinder) for f in sys.meta_path):
+            sys.meta_path.append(_TorchTPUCompatFinder())
+        return True
+
+
+def _compat_requested() -> bool:
+    v = os.environ.get(COMPAT_ENV, "").strip()
+    if v in ("", "0"):
+        return False
+    if v != "1":
+        raise ValueError(f"{COMPAT_ENV}={v!r}: expected 1 (serve torch_tpu from torchtpu) or 0")
+    return True
+
+
 # ---------------------------------------------------------------- the entry point
 def load() -> None:
     """torch's ``torch.backends`` entry point (idempotent)."""
     with _lock:
+        if _compat_requested():
+            enable_torch_tpu_compat()
         if _state["loaded"] or "torchtpu" in sys.modules:
             _state["loaded"] = True
             return

@@ -134,6 +134,50 @@ def test_torchrec_learns_tpu_on_import(env):
     """, dict(env, PORT=str(_free_port())), timeout=600)
 
 
+@pytest.mark.timeout(600)
+def test_torchrec_explicit_planner_with_tpu_topology(env):
+    # torchrec_dlrm's dlrm_main.py pattern, with only `import torch, torchrec`
+    pytest.importorskip("torchrec")
+    _run("""
+        import os
+        import torch, torchrec
+        import torch.distributed as dist
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+        from torchrec.distributed.comm import get_local_size
+        from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
+        from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+        from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+        dist.init_process_group("tpu", rank=0, world_size=1)
+        device = torch.device("tpu")
+        topology = Topology(local_world_size=get_local_size(), world_size=dist.get_world_size(),
+                            compute_device=device.type)
+        assert topology.compute_device == "tpu" and topology.devices[0].storage.hbm > 0  # HBM per chip
+        assert Topology(world_size=1, compute_device="cpu").compute_device == "cpu"  # others untouched
+        try:
+            Topology(world_size=1, compute_device="xpu")
+            raise SystemExit("an unknown device was accepted")
+        except AssertionError as e:
+            assert "unsupported compute device xpu" in str(e)
+        tables = [EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=16, feature_names=["f0"]),
+                  EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=32, feature_names=["f1"])]
+        ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+        planner = EmbeddingShardingPlanner(topology=topology, batch_size=4,
+                                           storage_reservation=HeuristicalStorageReservation(percentage=0.05))
+        assert type(planner._storage_reservation).__name__ == "_TPUStorageReservation"
+        assert planner._storage_reservation._percentage == 0.05  # the caller's settings kept
+        plan = planner.collective_plan(ebc, get_default_sharders(), dist.GroupMember.WORLD)
+        assert all(str(s.placement).endswith("/tpu") or "tpu" in str(s.placement)
+                   for p in plan.plan[""].values() for s in p.sharding_spec.shards)
+        dmp = DistributedModelParallel(module=ebc, device=device, plan=plan)
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1"], values=torch.tensor([1, 2, 3, 4]),
+                                                  lengths=torch.tensor([2, 1, 0, 1]))
+        out = dmp(kjt.to(device)).wait()
+        assert out["f0"].shape == (2, 8) and out["f1"].shape == (2, 4) and out["f0"].device.type == "tpu"
+        dist.destroy_process_group()
+    """, dict(env, PORT=str(_free_port())), timeout=600)
+
+
 def _free_port():
     from helpers import free_port
 

@@ -133,3 +133,42 @@ def test_cache_size_setting_is_checked(monkeypatch):
         xla_cache.default_max_size()
     monkeypatch.delenv("TORCHTPU_CACHE_MAX_SIZE")
     assert xla_cache.default_max_size() == xla_cache.DEFAULT_MAX_SIZE
+
+
+_STATS_CHILD = r"""
+import json, torch, torchtpu
+(torch.arange(6.0, device="tpu") * 5).sum().item()
+print("RESULT" + json.dumps(torchtpu.cache_stats()))
+"""
+
+
+def test_torchtpu_cache_root_names_and_cache_stats(monkeypatch, tmp_path):
+    # Google TorchTPU's tier-3 root is our cache directory (public name over internal; ours over both)
+    for k in ("TORCHTPU_CACHE_DIR", *xla_cache.TORCHTPU_CACHE_ROOT_NAMES):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TORCH_TPU_INTERNAL_TIER3_COMPILATION_CACHE_ROOT", str(tmp_path / "internal"))
+    assert xla_cache.default_cache_dir() == str(tmp_path / "internal")
+    monkeypatch.setenv("TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT", str(tmp_path / "tier3"))
+    assert xla_cache.default_cache_dir() == str(tmp_path / "tier3")
+    monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path / "ours"))
+    assert xla_cache.default_cache_dir() == str(tmp_path / "ours")
+    monkeypatch.delenv("TORCHTPU_CACHE_DIR")
+    monkeypatch.setenv("TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT", "gs://bucket/cache")
+    with pytest.raises(ValueError, match="TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT='gs://bucket/cache'.*local"):
+        xla_cache.default_cache_dir()
+    # a fresh process given only TorchTPU's name caches there, and cache_stats() counts it: cold, then warm
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHTPU_CACHE_DIR", *xla_cache.TORCHTPU_CACHE_ROOT_NAMES)}
+    env["TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"] = str(tmp_path / "tier3")
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _STATS_CHILD], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT"):]))
+    cold, warm = runs
+    assert cold["dir"] == warm["dir"] == str(tmp_path / "tier3")
+    assert cold["entries"] > 0 and cold["bytes"] > 0 and cold["hits"] == 0 and cold["misses"] == cold["requests"] > 0
+    assert warm["entries"] == cold["entries"] and warm["hits"] == warm["requests"] == cold["requests"]
+    assert warm["misses"] == 0 and warm["hit_rate"] == 1.0 and warm["max_bytes"] == xla_cache.DEFAULT_MAX_SIZE
+    # in this process: the session's cache
+    s = torchtpu.cache_stats()
+    assert s["dir"] == torchtpu.metrics.snapshot()["cache"]["persistent_dir"] and s["entries"] >= 0

@@ -69,10 +69,10 @@ def test_tpu_manual_seed_and_device_factories():
                       (torch.randperm(9, device=TPU, dtype=torch.int16), torch.int16),
                       (torch.randint_like(torch.zeros(4, device=TPU), 10), torch.float32)]:
             assert t.device.type == TPU and t.dtype == dt
-    # a generator argument is accepted (tpu has one stream per process, seeded by manual_seed)
+    # a CPU generator is refused, as CUDA refuses one (tests/core/test_generator.py: tpu generators)
     g = torch.Generator().manual_seed(0)
-    with no_fallback():
-        assert torch.randn(5, device=TPU, generator=g).shape == (5,)
+    with pytest.raises(RuntimeError, match="Expected a 'tpu' device type for generator but found 'cpu'"):
+        torch.randn(5, device=TPU, generator=g)
 
 
 def _moments(t):

@@ -4,6 +4,12 @@ process compiled (per-op kernels, fused graphs, compiled graphs alike) instead o
 Configured at ``import torchtpu`` before anything compiles (some runtime modules build small
 executables at import). Its hits, loads and compile seconds are in ``torchtpu.metrics``.
 
+Google TorchTPU's names for the same thing are honoured (``TORCHTPU_CACHE_DIR`` wins when both are
+set): ``TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT`` (and its ``TORCH_TPU_INTERNAL_`` spelling) is
+TorchTPU's persistent executable cache directory, our ``TORCHTPU_CACHE_DIR``. TorchTPU's tier-2
+cache (``TORCH_TPU_TIER2_COMPILATION_CACHE``, a host-shared in-memory cache) has no counterpart to
+configure: the processes of a host already share the persistent directory.
+
 The directory is private (0700) and capped: ``TORCHTPU_CACHE_MAX_SIZE`` bytes (``4G`` by default;
 a number with an optional K/M/G/T suffix, ``-1`` for no cap), evicting the least recently used
 executables first (JAX's LRU cache: an access time per entry, a file lock shared by the processes).
@@ -68,20 +74,63 @@ def persistent_cache_dir():
     return jax.config.jax_compilation_cache_dir
 
 
+# Google TorchTPU's tier-3 (persistent) cache root: the public name wins over the internal one, as there
+TORCHTPU_CACHE_ROOT_NAMES = ("TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT", "TORCH_TPU_INTERNAL_TIER3_COMPILATION_CACHE_ROOT")
+
+
 def default_cache_dir():
     """Where the persistent cache goes: ``TORCHTPU_CACHE_DIR`` (empty or ``0``: no cache), else
-    ``$XDG_CACHE_HOME/torchtpu/xla`` (``~/.cache/torchtpu/xla``): per user, shared by their runs."""
+    TorchTPU's ``TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT`` (then its ``TORCH_TPU_INTERNAL_`` form; a
+    local path), else ``$XDG_CACHE_HOME/torchtpu/xla`` (``~/.cache/torchtpu/xla``): per user, shared
+    by their runs."""
     d = os.environ.get("TORCHTPU_CACHE_DIR")
     if d is not None:
         return None if d.strip() in ("", "0") else os.path.abspath(os.path.expanduser(d))
+    for name in TORCHTPU_CACHE_ROOT_NAMES:
+        root = os.environ.get(name, "").strip()
+        if not root:
+            continue  # unset or empty: TorchTPU's tier-3 cache off, ours stays at its default
+        if "://" in root:
+            raise ValueError(f"{name}={root!r}: torchtpu keeps its compilation cache on a local path only "
+                             f"(set TORCHTPU_CACHE_DIR, or {name} to a local directory)")
+        return os.path.abspath(os.path.expanduser(root))
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "torchtpu", "xla")
 
 
+def cache_stats() -> dict:
+    """The persistent compilation cache now: ``dir`` (None when off), ``entries`` and ``bytes`` on
+    disk (every process's executables), ``max_bytes`` (-1: no cap) and this process's lookups:
+    ``requests``, ``hits`` (loaded instead of compiled), ``misses`` (compiled, then stored),
+    ``hit_rate`` and ``load_s`` (``torchtpu.metrics`` counts them; ``snapshot()["cache"]`` has more)."""
+    from . import metrics
+
+    d = persistent_cache_dir()
+    entries = size = 0
+    if d is not None and os.path.isdir(d):
+        with os.scandir(d) as it:
+            for e in it:
+                if e.name.endswith("-cache") and e.is_file():
+                    entries += 1
+                    size += e.stat().st_size
+    c = metrics.snapshot()["cache"]
+    return {"dir": d, "entries": entries, "bytes": size,
+            "max_bytes": jax.config.jax_compilation_cache_max_size if d is not None else 0,
+            "requests": c["requests"], "hits": c["hits"], "misses": c["requests"] - c["hits"],
+            "hit_rate": c["hit_rate"], "load_s": c["load_s"]}
+
+
 def configure_persistent_cache() -> None:
     """Turn the persistent cache on at ``default_cache_dir()`` (at import). A directory that cannot
-    be made leaves it off, with one warning: the cache saves time, it is never worth failing for."""
-    d = default_cache_dir()
+    be made (or a remote TorchTPU root) leaves it off, with one warning: the cache saves time, it is
+    never worth failing for."""
+    try:
+        d = default_cache_dir()
+    except ValueError as e:
+        import warnings
+
+        warnings.warn(f"torchtpu: no persistent compilation cache ({e})", RuntimeWarning, stacklevel=2)
+        return
     if d is None:
         log.info("persistent compilation cache off (TORCHTPU_CACHE_DIR)")
         return

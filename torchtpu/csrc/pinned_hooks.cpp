@@ -1,16 +1,20 @@
-// The tpu's PrivateUse1 hooks, in C++ for one reason: torch 2.13 takes the pinned host allocator
-// (getPinnedMemoryAllocator) and the "is this pointer pinned" answer (isPinnedPtr) only from a C++
-// PrivateUse1HooksInterface; its Python hooks class forwards is_available / has_primary_context /
-// is_built only. DDP's reducer (static_graph, find_unused_parameters) and pin_memory() need both.
+// The tpu's PrivateUse1 hooks, in C++ because torch 2.13 takes three answers only from a C++
+// PrivateUse1HooksInterface (its Python hooks class forwards is_available / has_primary_context /
+// is_built only): the pinned host allocator (getPinnedMemoryAllocator), "is this pointer pinned"
+// (isPinnedPtr), both needed by DDP's reducer (static_graph, find_unused_parameters) and
+// pin_memory(), and new generators (getNewGenerator: torch.Generator(device="tpu")).
 // Everything else stays in Python (torchtpu/runtime/device.py); this file answers what the Python
-// hooks answered (built, available, a primary context) plus the pinned allocator.
+// hooks answered (built, available, a primary context) plus those three.
 //
 // Pinned blocks are page-aligned host memory, page-locked with mlock while RLIMIT_MEMLOCK allows
 // (XLA stages host->device copies itself, so locking only spares the kernel paging them out); a
 // block mlock refuses stays an ordinary allocation. Either way it is this allocator's block, and
 // isPinnedPtr answers true for any address inside a live block.
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/Generator.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/GeneratorImpl.h>
 
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -103,12 +107,73 @@ bool is_pinned_address(const void* data) {
   return addr < it->first + it->second.bytes;
 }
 
+// A tpu generator is the state of one random stream: a seed and a counter (the offset), as the
+// process's global tpu stream (torchtpu/base/rng.py) is. It draws nothing itself: each random op
+// given generator=g derives its JAX key from (g.initial_seed(), g.get_offset()) and advances the
+// offset by one, so a generator seeded like the global stream gives the same numbers.
+// get_state() is 16 bytes (seed, offset: two little-endian uint64), a CPU ByteTensor as torch wants.
+struct TPUGeneratorImpl final : public c10::GeneratorImpl {
+  explicit TPUGeneratorImpl(c10::DeviceIndex index, uint64_t seed = c10::default_rng_seed_val)
+      : c10::GeneratorImpl(c10::Device(c10::DeviceType::PrivateUse1, index < 0 ? 0 : index),
+                           // no dispatch key: the tensors choose the kernel, so a CPU op given a tpu
+                           // generator reaches CPU's kernel and its "Expected a 'cpu' device type" error
+                           c10::DispatchKeySet()),
+        seed_(seed) {}
+
+  void set_current_seed(uint64_t seed) override {
+    seed_ = seed;
+    offset_ = 0;  // a new seed starts its stream from the beginning (torch.cuda's generators do too)
+  }
+  uint64_t current_seed() const override { return seed_; }
+  uint64_t seed() override {
+    const uint64_t s = c10::detail::getNonDeterministicRandom();
+    set_current_seed(s);
+    return s;
+  }
+  void set_offset(uint64_t offset) override { offset_ = offset; }
+  uint64_t get_offset() const override { return offset_; }
+
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    auto state = at::detail::empty_cpu({kStateBytes}, c10::ScalarType::Byte, std::nullopt, std::nullopt,
+                                       std::nullopt, std::nullopt);
+    uint64_t words[2] = {seed_, offset_};
+    std::memcpy(state.data_ptr(), words, kStateBytes);
+    return state.getIntrusivePtr();
+  }
+  void set_state(const c10::TensorImpl& new_state) override {
+    at::detail::check_rng_state(new_state);
+    TORCH_CHECK(new_state.numel() == kStateBytes, "RNG state is wrong size: a tpu generator's state is ",
+                kStateBytes, " bytes (seed, offset), got ", new_state.numel());
+    uint64_t words[2];
+    std::memcpy(words, new_state.data(), kStateBytes);
+    seed_ = words[0];
+    offset_ = words[1];
+  }
+
+  static c10::DeviceType device_type() { return c10::DeviceType::PrivateUse1; }
+
+ private:
+  static constexpr int64_t kStateBytes = 16;
+  TPUGeneratorImpl* clone_impl() const override {
+    auto* g = new TPUGeneratorImpl(device().index(), seed_);
+    g->offset_ = offset_;
+    return g;
+  }
+  uint64_t seed_;
+  uint64_t offset_ = 0;
+};
+
 struct TPUHooks final : public at::PrivateUse1HooksInterface {
   bool isBuilt() const override { return true; }
   bool isAvailable() const override { return true; }
   bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
   bool isPinnedPtr(const void* data) const override { return is_pinned_address(data); }
   at::Allocator* getPinnedMemoryAllocator() const override { return &pinned_allocator; }
+  at::Generator getNewGenerator(c10::DeviceIndex device_index) const override {
+    TORCH_CHECK(device_index <= 0, "torch.Generator: tpu has one device per process (tpu or tpu:0), got tpu:",
+                static_cast<int>(device_index));
+    return at::make_generator<TPUGeneratorImpl>(device_index);
+  }
 };
 
 }  // namespace

@@ -36,7 +36,7 @@ from .lowering import Lowering
 aten = torch.ops.aten
 
 # ---------------------------------------------------------------- argument kinds
-_T, _OT, _TL, _OTL, _SCALAR, _STATIC, _SCALARS = range(7)
+_T, _OT, _TL, _OTL, _SCALAR, _STATIC, _SCALARS, _GEN = range(8)
 
 
 def _arg_kind(arg):
@@ -54,6 +54,8 @@ def _arg_kind(arg):
         return _SCALAR
     if s == "List[number]":
         return _SCALARS  # e.g. the optimizers' per-parameter bias corrections: traced, not baked in
+    if s == "Optional[Generator]":
+        return _GEN  # not in the cache key (one executable for every generator): it picks the op's key data
     return _STATIC
 
 
@@ -205,6 +207,7 @@ class Kernel:
         dyn = []
         append_key = key.append
         tkey = self._tensor_key
+        generator = None
         for i, kind in self.kind_items:
             v = vals[i]
             if kind == _T:
@@ -222,10 +225,13 @@ class Kernel:
             elif kind == _SCALARS:
                 append_key(tuple(type(x) for x in v))
                 dyn.extend(_scalar_array(x) for x in v)
+            elif kind == _GEN:
+                append_key(None)
+                generator = v
             else:  # tensor lists
                 append_key(tuple([None if x is None else tkey(x, bufs, dyn) for x in v]))
         if self.lowering.random:
-            dyn.append(_next_key_data())
+            dyn.append(_next_key_data(generator))
         key = tuple(key)
         entry = self.cache.get(key)
         if entry is None and storm.POLICY.executables is not None and len(self.cache) >= storm.POLICY.executables:
@@ -337,6 +343,8 @@ class Kernel:
         for i, v in enumerate(vals):
             if self.kinds[i] in (_TL, _OTL):
                 margs.append([to_meta(x) for x in v])
+            elif self.kinds[i] == _GEN:
+                margs.append(None)  # shapes do not depend on it, and PyTorch's refs refuse generators
             else:
                 margs.append(to_meta(v))
         return margs
@@ -521,6 +529,8 @@ class Kernel:
             if self.kinds[i] in (_TL, _OTL):
                 v = [twin(x) for x in v]
                 numel += sum(x.numel() for x in v if isinstance(x, torch.Tensor))
+            elif self.kinds[i] == _GEN:
+                v = None  # CPU's kernel refuses a tpu generator; the twin draws from CPU's (forked) one
             else:
                 v = twin(v)
                 numel += v.numel() if isinstance(v, torch.Tensor) else 0

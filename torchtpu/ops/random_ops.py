@@ -14,8 +14,9 @@ where PyTorch has one with the same overload name (``uniform_`` from
 ``uniform``); the others (``normal_``, ``bernoulli_.float``) fill a fresh value
 and copy it in (a buffer swap for a contiguous tensor).
 
-``generator=`` arguments are accepted and ignored: tpu randomness has one
-stream per process, seeded by ``torch.manual_seed`` / ``torch.tpu.manual_seed``.
+``generator=None`` draws from the process's stream, seeded by ``torch.manual_seed`` /
+``torch.tpu.manual_seed``; a ``torch.Generator(device="tpu")`` (the C++ hooks, ``csrc/``) is a
+stream of its own: the kernel executor takes the key from its seed and offset instead.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""The pinned host-memory allocator of the tpu: C++ PrivateUse1 hooks, built once, loaded at import.
+"""The tpu's C++ PrivateUse1 hooks (pinned host memory, generators), built once, loaded at import.
 
-torch 2.13 asks a PrivateUse1 backend for its pinned allocator (``getPinnedMemoryAllocator``) and
-whether a pointer is pinned (``isPinnedPtr``) only through a C++ ``PrivateUse1HooksInterface``; the
-Python hooks class cannot answer either, and no pure-Python route is cheap: ``empty(...,
+torch 2.13 asks a PrivateUse1 backend for its pinned allocator (``getPinnedMemoryAllocator``),
+whether a pointer is pinned (``isPinnedPtr``) and for new generators (``getNewGenerator``:
+``torch.Generator(device="tpu")``) only through a C++ ``PrivateUse1HooksInterface``; the Python
+hooks class cannot answer any of them, and no pure-Python route is cheap: ``empty(...,
 pin_memory=True)`` reaches the CPU factory kernel, so intercepting it means a Python kernel in front
 of every CPU ``empty``/``empty_strided`` (``benchmarks/bench_parallel.py --pinned`` measures it).
-DDP's reducer needs it (``static_graph=True``, ``find_unused_parameters=True`` stage their
+DDP's reducer needs pinned memory (``static_graph=True``, ``find_unused_parameters=True`` stage their
 used-parameter map in pinned memory and assert ``is_pinned()``), and so do ``pin_memory()`` and
 ``DataLoader(pin_memory=True)``.
 
@@ -13,9 +14,14 @@ So ``csrc/pinned_hooks.cpp`` (one small file, a C interface, no pybind11) regist
 ``scripts/setup.sh`` builds it (``pinned.build()``: g++ and ninja through ``torch.utils.cpp_extension``,
 about 10 s) into ``csrc/build/``; ``import torchtpu`` loads it when built. Without a build (no
 compiler), or with ``TORCHTPU_PINNED_HOOKS=0``, the Python hooks are registered as before:
-``pin_memory()`` returns an ordinary copy, and DDP with ``static_graph``/``find_unused_parameters``
-fails in its first backward with torch's ``NotImplementedError`` naming ``getPinnedMemoryAllocator``
-(``pinned_hooks_active()`` says which hooks serve the process).
+``pin_memory()`` returns an ordinary copy, DDP with ``static_graph``/``find_unused_parameters``
+fails in its first backward with torch's ``NotImplementedError`` naming ``getPinnedMemoryAllocator``,
+and ``torch.Generator(device="tpu")`` raises torch's ``NotImplementedError`` naming
+``getNewGenerator`` (random ops without ``generator=`` are unaffected). ``pinned_hooks_active()``
+says which hooks serve the process.
+
+A tpu generator holds a seed and an offset; the random ops' kernels take their JAX key from them
+(``torchtpu/base/rng.py``) and advance the offset.
 """
 
 from __future__ import annotations

@@ -14,9 +14,11 @@ from .embedding import (
 from .kernel import TPU_COMPUTE_KERNELS, TPUBatchedEmbedding, TPUBatchedEmbeddingBag
 from . import dmp as _dmp
 from .dmp import compile_dense, tpu_data_parallel_wrapper
+from . import planner as _planner
 from .planner import tpu_sharders
 
 _dmp.install()  # DistributedModelParallel(model, device=torch.device("tpu")) gets the tpu defaults
+_planner.install()  # Topology(compute_device="tpu") and TorchRec's planner over it
 
 __all__ = [
     "compile_dense",

@@ -18,12 +18,15 @@ HBM accelerator like those, so:
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 from typing import Dict, List, Optional
 
 import torch.distributed as dist
 from torch import nn
 
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner.constants import BATCH_SIZE
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
 from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
@@ -41,6 +44,7 @@ TPU_HBM_BYTES = {
     "v6e": 32 * 1024**3,
     "v7": 192 * 1024**3,
 }
+DEFAULT_GENERATION = "v5p"
 # SparseCores per chip (DESIGN.md)
 SPARSECORES_PER_CHIP = {"v5p": 4, "v6e": 2, "v7": 2}
 
@@ -52,7 +56,7 @@ class TPUTopology(Topology):
     process. ``local_world_size``: chips per host (default: all on one host).
     """
 
-    def __init__(self, world_size: int, generation: str = "v5p", hbm_cap: Optional[int] = None,
+    def __init__(self, world_size: int, generation: str = DEFAULT_GENERATION, hbm_cap: Optional[int] = None,
                  ddr_cap: Optional[int] = None, local_world_size: Optional[int] = None, **kwargs):
         if hbm_cap is None:
             if generation not in TPU_HBM_BYTES:
@@ -80,6 +84,15 @@ class _TPUStorageReservation(HeuristicalStorageReservation):
         return reserved
 
 
+def _tpu_enumerator(topology, batch_size, constraints) -> EmbeddingEnumerator:
+    """TorchRec's enumerator over a tpu topology, its estimators seeing it as an HBM device."""
+    hbm = _hbm_view(topology)
+    return EmbeddingEnumerator(
+        topology=topology, batch_size=batch_size, constraints=constraints,
+        estimator=[EmbeddingPerfEstimator(topology=hbm, constraints=constraints),
+                   EmbeddingStorageEstimator(topology=hbm, constraints=constraints)])
+
+
 class TPUEmbeddingShardingPlanner(EmbeddingShardingPlanner):
     """TorchRec's EmbeddingShardingPlanner over a :class:`TPUTopology`."""
 
@@ -87,11 +100,7 @@ class TPUEmbeddingShardingPlanner(EmbeddingShardingPlanner):
                  constraints: Optional[Dict[str, ParameterConstraints]] = None, **kwargs):
         if topology.compute_device != "tpu":
             raise ValueError("TPUEmbeddingShardingPlanner needs a TPUTopology")
-        hbm = _hbm_view(topology)
-        enumerator = EmbeddingEnumerator(
-            topology=topology, batch_size=batch_size, constraints=constraints,
-            estimator=[EmbeddingPerfEstimator(topology=hbm, constraints=constraints),
-                       EmbeddingStorageEstimator(topology=hbm, constraints=constraints)])
+        enumerator = _tpu_enumerator(topology, batch_size, constraints)
         super().__init__(topology=topology, batch_size=batch_size, enumerator=enumerator,
                          storage_reservation=_TPUStorageReservation(percentage=0.15),
                          constraints=constraints, **kwargs)
@@ -140,3 +149,57 @@ def _collective_plan(planner, module, sharders, pg) -> ShardingPlan:
     if error is not None:
         raise RuntimeError(f"plan_for_tpu: the planner failed on rank 0: {error}")
     return plan
+
+
+_MARK = "_torchtpu_rec_tpu"
+
+
+def install() -> None:
+    """Teach TorchRec's own ``Topology`` and ``EmbeddingShardingPlanner`` the ``tpu`` device (once), for
+    the explicit-planner pattern of TorchRec's examples (torchrec_dlrm's ``dlrm_main.py``):
+    ``Topology(..., compute_device="tpu")`` is built as :class:`TPUTopology` is (HBM per chip, default
+    generation), and a planner over it gets the tpu enumerator and storage reservation (HBM cost model)
+    where its caller gave none, or gave TorchRec's ``HeuristicalStorageReservation`` (its settings kept)."""
+    if getattr(Topology.__init__, _MARK, False):
+        return
+    topology_init = Topology.__init__
+    topology_sig = inspect.signature(topology_init)
+
+    @functools.wraps(topology_init)
+    def topology_init_tpu(self, *args, **kwargs):
+        bound = topology_sig.bind(self, *args, **kwargs)
+        a = bound.arguments
+        if a.get("compute_device") != "tpu" or isinstance(self, TPUTopology):
+            return topology_init(*bound.args, **bound.kwargs)
+        a["compute_device"] = "cuda"  # built as an HBM device (torchrec's only HBM path), then named tpu
+        if a.get("hbm_cap") is None:
+            a["hbm_cap"] = TPU_HBM_BYTES[DEFAULT_GENERATION]
+        topology_init(*bound.args, **bound.kwargs)
+        self._compute_device = "tpu"
+
+    planner_init = EmbeddingShardingPlanner.__init__
+    planner_sig = inspect.signature(planner_init)
+
+    @functools.wraps(planner_init)
+    def planner_init_tpu(self, *args, **kwargs):
+        bound = planner_sig.bind(self, *args, **kwargs)
+        a = bound.arguments
+        topology = a.get("topology")
+        if topology is not None and topology.compute_device == "tpu" and not isinstance(self, TPUEmbeddingShardingPlanner):
+            batch_size = a.get("batch_size") or BATCH_SIZE
+            constraints = a.get("constraints")
+            if a.get("enumerator") is None:
+                a["enumerator"] = _tpu_enumerator(topology, batch_size, constraints)
+            reservation = a.get("storage_reservation")
+            if reservation is None:
+                a["storage_reservation"] = _TPUStorageReservation(
+                    percentage=a.get("heuristical_storage_reservation_percentage", 0.15))
+            elif type(reservation) is HeuristicalStorageReservation:
+                tpu_reservation = copy.copy(reservation)
+                tpu_reservation.__class__ = _TPUStorageReservation  # the same settings, the HBM view
+                a["storage_reservation"] = tpu_reservation
+        planner_init(*bound.args, **bound.kwargs)
+
+    setattr(topology_init_tpu, _MARK, True)
+    Topology.__init__ = topology_init_tpu
+    EmbeddingShardingPlanner.__init__ = planner_init_tpu
