@@ -217,3 +217,26 @@ def test_bad_arguments_are_refused_at_once():
         fb.jagged_to_padded_dense(values, [off.float()], [4])
     with pytest.raises(TypeError, match="BucketPolicy"):
         jagged.set_total_length_policy(16)
+
+
+@pytest.mark.parametrize("mode", ["strict_eager", "defer_and_fuse"])
+def test_execution_modes(mode):
+    off = _offsets(LENGTHS)
+    values = torch.randn(int(off[-1]), 3)
+    dense = torch.randn(len(LENGTHS), 6, 3)
+
+    def run(dev):
+        v = values.to(dev).requires_grad_()
+        prod, _ = fb.jagged_dense_elementwise_mul(v, [off.to(dev)], dense.to(dev))
+        padded = fb.jagged_to_padded_dense(prod, [off.to(dev)], [6])
+        padded.square().sum().backward()
+        return padded.detach(), v.grad
+
+    with torchtpu.execution_mode(mode):
+        got = run(TPU)
+    for g, w in zip(got, run("cpu")):
+        _close(g, w)
+    with torchtpu.execution_mode(mode):
+        bad = fb.jagged_to_padded_dense(values.to(TPU), [torch.tensor([0, 4, 2, 3, 9, 16]).to(TPU)], [6])
+    with pytest.raises(torchtpu.DeviceIndexError, match="not non-decreasing"):
+        bad.cpu()
