@@ -120,7 +120,8 @@ class HSTU(nn.Module):
 
     def encode(self, items, timestamps, max_length: int | None = None):
         jt = self.embeddings(items)[ITEM_FEATURE]
-        x, offsets = jt.values(), jt.offsets()
+        x = jt.values()
+        offsets = jt.offsets().to(x.device)  # a sharded lookup may leave them on the host
         n = max_length or padded_length(jt.lengths(), self.length_policy)
         for block in self.blocks:
             x = block(x, timestamps, offsets, n)
@@ -151,7 +152,8 @@ class SASRec(nn.Module):
 
     def forward(self, items, timestamps=None, max_length: int | None = None):
         jt = self.embeddings(items)[ITEM_FEATURE]
-        values, offsets = jt.values(), jt.offsets()
+        values = jt.values()
+        offsets = jt.offsets().to(values.device)
         n = max_length or padded_length(jt.lengths(), self.length_policy)
         x = fbgemm.jagged_to_padded_dense(values, [offsets], [n], 0.0)
         pos = torch.arange(n, device=values.device)

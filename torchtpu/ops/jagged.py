@@ -220,7 +220,9 @@ def _check_values(values, what):
         raise ValueError(f"{what}: values must have at least one dimension (the jagged rows)")
 
 
-def _check_offsets_list(offsets, what):
+def _check_offsets_list(offsets, what, device):
+    """The offsets, checked, on ``device`` (TorchRec's host-side input dists leave a KJT's offsets on the
+    CPU beside tpu values: they are copied in, as a CUDA user would have them already)."""
     if not offsets:
         raise ValueError(f"{what}: needs at least one offsets tensor")
     for o in offsets:
@@ -228,29 +230,30 @@ def _check_offsets_list(offsets, what):
             raise ValueError(f"{what}: offsets must be 1-D, got shape {list(o.shape)}")
         if o.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{what}: offsets must be int32 or int64, not {o.dtype}")
+    return [o.to(device) for o in offsets]
 
 
 # ---------------------------------------------------------------- the fbgemm ops
 @impl("fbgemm::jagged_to_padded_dense_forward")
 def _jagged_to_padded_dense_forward(values, offsets, max_lengths, padding_value=0.0):
     _check_values(values, "jagged_to_padded_dense")
-    _check_offsets_list(offsets, "jagged_to_padded_dense")
+    offsets = _check_offsets_list(offsets, "jagged_to_padded_dense", values.device)
     if len(max_lengths) != len(offsets):
         raise ValueError(f"jagged_to_padded_dense: {len(offsets)} offsets tensors but {len(max_lengths)} max_lengths")
-    return _TO_DENSE(_bucketed(values), list(offsets), [int(n) for n in max_lengths], float(padding_value),
+    return _TO_DENSE(_bucketed(values), offsets, [int(n) for n in max_lengths], float(padding_value),
                      values.shape[0])
 
 
 def _jagged_rows(dense, offsets, total_L, what):
     """``dense`` gathered at ``total_L`` jagged rows (read from the offsets when None)."""
-    _check_offsets_list(offsets, what)
+    offsets = _check_offsets_list(offsets, what, dense.device)
     if dense.dim() < len(offsets) + 1:
         raise ValueError(f"{what}: dense of shape {list(dense.shape)} has fewer than {len(offsets) + 1} dims")
     if total_L is None:
         total_L = int(offsets[-1][-1].item())  # the output size depends on it (fbgemm reads it too)
     total_L = int(total_L)
     rows = _bucket(total_L)
-    return _TO_JAGGED(dense, list(offsets), rows, total_L)[:total_L]
+    return _TO_JAGGED(dense, offsets, rows, total_L)[:total_L]
 
 
 @impl("fbgemm::dense_to_jagged_forward")
@@ -266,15 +269,15 @@ def _jagged_to_padded_dense_backward(grad_output, offsets, total_L):
 @impl("fbgemm::jagged_dense_elementwise_add")
 def _jagged_dense_elementwise_add(x_values, x_offsets, y):
     _check_values(x_values, "jagged_dense_elementwise_add")
-    _check_offsets_list(x_offsets, "jagged_dense_elementwise_add")
-    return _DENSE_ADD(_bucketed(x_values), list(x_offsets), y, x_values.shape[0])
+    x_offsets = _check_offsets_list(x_offsets, "jagged_dense_elementwise_add", x_values.device)
+    return _DENSE_ADD(_bucketed(x_values), x_offsets, y, x_values.shape[0])
 
 
 def _jagged_output(kernel, x_values, x_offsets, y, what):
     _check_values(x_values, what)
-    _check_offsets_list(x_offsets, what)
+    x_offsets = _check_offsets_list(x_offsets, what, x_values.device)
     n = x_values.shape[0]
-    return kernel(_bucketed(x_values), list(x_offsets), y, n)[:n]
+    return kernel(_bucketed(x_values), x_offsets, y, n)[:n]
 
 
 @impl("fbgemm::jagged_dense_elementwise_add_jagged_output")
@@ -290,9 +293,9 @@ def _jagged_dense_elementwise_mul_forward(x_values, x_offsets, y):
 
 @impl("fbgemm::jagged_dense_elementwise_mul_backward")
 def _jagged_dense_elementwise_mul_backward(grad_output, x_offsets, y, x_values):
-    _check_offsets_list(x_offsets, "jagged_dense_elementwise_mul")
+    x_offsets = _check_offsets_list(x_offsets, "jagged_dense_elementwise_mul", grad_output.device)
     n = x_values.shape[0]
-    grad_values, grad_dense = _JAGGED_MUL_BACKWARD(_bucketed(grad_output), list(x_offsets), y, _bucketed(x_values), n)
+    grad_values, grad_dense = _JAGGED_MUL_BACKWARD(_bucketed(grad_output), x_offsets, y, _bucketed(x_values), n)
     return grad_values[:n], grad_dense
 
 
