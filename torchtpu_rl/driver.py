@@ -100,6 +100,7 @@ class RLDriver:
         self.recovery_timeout_s = recovery_timeout_s
         self.tokenizer = tokenizer
         self.events: list = []  # faults, recoveries, reward errors
+        self._messages_before = self.rollout.messages + self.learner.messages  # (the groups outlive a driver)
         self.sync = WeightSync(self.learner, self.rollout, transport=transport, collective_backend=collective_backend,
                                sync_abort_s=sync_abort_s, events=self.events, step_of=lambda: self.step_idx)
         self.scorer = Scorer(self._reward_call, on_error=on_reward_error, default=reward_on_error,
@@ -138,8 +139,8 @@ class RLDriver:
 
     @property
     def control_messages(self) -> int:
-        """Control calls sent to the actors so far (rollout group and learner; the reward actor's not counted)."""
-        return self.rollout.messages + self.learner.messages
+        """Control calls this driver sent to the actors (rollout group and learner; not the reward actor)."""
+        return self.rollout.messages + self.learner.messages - self._messages_before
 
     def _learner_version(self) -> int:
         if self.learner_version is None:
