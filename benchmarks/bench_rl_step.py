@@ -10,8 +10,10 @@ store.
 
 Per step it reports the driver's phases: ``rollout`` (waiting for the step's rollouts),
 ``reward`` (decode + reward functions), ``learn`` (the learner's train_step call) and
-``sync`` (learner -> workers weight update), their share of the step, and rollout / learner
-tokens per second. The two modes run in alternating blocks (``--blocks``) so load from other
+``sync`` (learner -> workers weight update), their share of the step, rollout / learner
+tokens per second, the driver's own overhead (sync mode: the step's time outside the four
+phases) and the control messages a step sends (every actor call this process makes, counted
+at Ray's ``ActorMethod.remote``, so the figure is the same for any version of the driver). The two modes run in alternating blocks (``--blocks``) so load from other
 jobs falls on both; each block is a fresh driver over the same actors whose first step is
 not timed (it primes the pipeline). Ratios are medians over adjacent block pairs.
 
@@ -92,6 +94,16 @@ def main():
                      "response_buckets": BucketPolicy.pow2(8, max(8, args.max_new_tokens), name="response")}
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0,
                               stop_token_ids=(tok.eos_token_id,))
+    import ray.actor
+
+    calls = [0]  # every actor method call this process makes (the driver's control messages)
+    remote = ray.actor.ActorMethod._remote
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return remote(self, *a, **k)
+
+    ray.actor.ActorMethod._remote = counted
     modes = ("sync", "async")
     per = {m: [] for m in modes}  # mode -> list of blocks -> list of step metrics
     first_step_s = None
@@ -109,9 +121,13 @@ def main():
                                       max_staleness=1, seed=b, tokenizer=tok)
                     seen = []
 
-                    def on_step(m, driver=driver, seen=seen):
+                    mark = [calls[0]]
+
+                    def on_step(m, driver=driver, seen=seen, mark=mark):
+                        m["driver_s"] = m["step_s"] - sum(m[k] or 0.0 for k in PHASES.values())
                         if m.get("sync_s") is None:
                             m["sync_s"] = driver.last_sync.get("sync_s")  # async: the last finished sync
+                        m["control_messages"], mark[0] = calls[0] - mark[0], calls[0]
                         seen.append(m)
                         bar.update()
 
@@ -139,6 +155,9 @@ def main():
         r["rollout_tokens_per_s"] = statistics.median(m["response_tokens"] / m["rollout_worker_s"] for m in steps)
         r["learner_tokens_per_s"] = statistics.median(m.get("learner_tokens_per_s", m["tokens_per_s"]) for m in steps)
         r["samples_per_s"] = statistics.median(m["samples"] / m["step_s"] for m in steps)
+        r["control_messages_per_step"] = statistics.median(m["control_messages"] for m in steps)
+        if mode == "sync":  # (async: the sync finishes inside the next step, outside the phases)
+            r["driver_overhead_s"] = med(mode, "driver_s")
         res[mode] = r
     block_step = {m: [statistics.median(x["step_s"] for x in blk) for blk in per[m]] for m in modes}
     ratios = {"step time async/sync": statistics.median(a / s for a, s in zip(block_step["async"],
@@ -151,7 +170,8 @@ def main():
         parts = "  ".join(f"{n} {r[f'{n}_s'] * 1e3:7.1f} ms ({r[f'{n}_share'] * 100:4.1f}%)" for n in PHASES)
         print(f"  {mode:<5} step {r['step_s'] * 1e3:7.1f} ms: {parts}")
         print(f"        rollout {r['rollout_tokens_per_s']:8.0f} tok/s   learner {r['learner_tokens_per_s']:8.0f} "
-              f"tok/s   {r['samples_per_s']:6.1f} samples/s")
+              f"tok/s   {r['samples_per_s']:6.1f} samples/s   {r['control_messages_per_step']:g} control messages/step"
+              + (f"   driver overhead {r['driver_overhead_s'] * 1e3:.2f} ms" if "driver_overhead_s" in r else ""))
     for k, v in ratios.items():
         print(f"  {k:<28} {v:6.2f}x")
     common.write_json(args.out, {

@@ -8,7 +8,9 @@ rollout / learner / reward actors (:mod:`.workers`), versioned bucketed weight
 sync (:mod:`.weight_sync`), the driver loop (:mod:`.driver`) and checkpoints
 (:mod:`.checkpoint`). Text: Hugging Face checkpoints (:mod:`.hf`), prompts from files
 (:mod:`.data`), TRL-style reward functions (:mod:`.rewards`), and the entry point
-``python -m torchtpu_rl.train`` (:mod:`.train`).
+``python -m torchtpu_rl.train`` (:mod:`.train`). At the bottom: the wire types between the
+driver and its workers (:mod:`.protocol`) and the typed run configuration (:mod:`.config`);
+the actors are driven as worker groups with declared dispatch (:mod:`.worker_group`).
 """
 
 from . import algorithms
@@ -36,7 +38,9 @@ from .policy import (
     supports_kv_cache,
     token_logprobs,
 )
-from .rollout import RolloutBatch, RolloutEngine, SamplingParams, sample_from_logits
+from .config import ConfigError, LearnerConfig, RolloutConfig, RunConfig, SyncConfig
+from .protocol import RolloutBatch, SamplingParams
+from .rollout import RolloutEngine, sample_from_logits
 from . import checkpoint, driver, weight_sync, workers  # noqa: E402  (import ray)
 from .driver import PromptDataset, RewardError, RLDriver, ray_session  # noqa: E402
 from .weight_sync import (  # noqa: E402
@@ -50,6 +54,7 @@ from .weight_sync import (  # noqa: E402
     tensor_checksums,
 )
 from .topology import Topology, make_topology  # noqa: E402
+from .worker_group import LearnerClient, WorkerGroup, dispatch  # noqa: E402
 from .workers import LearnerWorker, RewardModelActor, RolloutWorker  # noqa: E402
 from . import data, hf, rewards  # noqa: E402  (text in, text out: Hugging Face checkpoints, prompts, rewards)
 from .data import load_prompts  # noqa: E402
@@ -57,6 +62,14 @@ from .rewards import RewardSet  # noqa: E402
 
 __all__ = [
     "BucketPlan",
+    "ConfigError",
+    "LearnerClient",
+    "LearnerConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "SyncConfig",
+    "WorkerGroup",
+    "dispatch",
     "Learner",
     "LearnerWorker",
     "PromptDataset",

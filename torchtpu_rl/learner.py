@@ -54,7 +54,7 @@ from torchtpu.bucketing import BucketPolicy
 
 from . import algorithms as A
 from .policy import ValueModel, clone_policy, sequence_logprobs
-from .rollout import RolloutBatch
+from .protocol import RolloutBatch
 
 __all__ = ["Learner"]
 

@@ -38,13 +38,11 @@ in place (compiled steps stay valid), generation resumes under the new
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import operator
 import threading
 import time
 import warnings
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -54,6 +52,7 @@ from torchtpu import bucketing
 from torchtpu.bucketing import BucketOverflowError, BucketPolicy
 
 from .policy import get_logits, is_hf_model, policy_logits
+from .protocol import RolloutBatch, SamplingParams
 
 __all__ = [
     "RolloutBatch",
@@ -61,52 +60,6 @@ __all__ = [
     "SamplingParams",
     "sample_from_logits",
 ]
-
-
-# ================================================================= sampling
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How to sample: ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1.0 are off;
-    a sequence ends after ``max_new_tokens`` or at the first token in ``stop_token_ids``
-    (which is kept in the response)."""
-
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    stop_token_ids: tuple = ()
-
-    def __post_init__(self):
-        try:
-            n = operator.index(self.max_new_tokens)
-        except TypeError:
-            raise TypeError(f"SamplingParams.max_new_tokens must be an int, not {self.max_new_tokens!r}") from None
-        if n < 1:
-            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, not {n}")
-        t = float(self.temperature)
-        if not math.isfinite(t) or t < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0 and finite, not {self.temperature!r}")
-        k = operator.index(self.top_k)
-        if k < 0:
-            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), not {k}")
-        p = float(self.top_p)
-        if not 0.0 < p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], not {self.top_p!r}")
-        stops = self.stop_token_ids
-        if isinstance(stops, int):
-            stops = (stops,)
-        stops = tuple(operator.index(s) for s in stops)
-        if any(s < 0 for s in stops):
-            raise ValueError(f"SamplingParams.stop_token_ids must be >= 0, not {stops}")
-        object.__setattr__(self, "max_new_tokens", n)
-        object.__setattr__(self, "temperature", t)
-        object.__setattr__(self, "top_k", k)
-        object.__setattr__(self, "top_p", p)
-        object.__setattr__(self, "stop_token_ids", stops)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def sample_from_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
@@ -142,186 +95,6 @@ def sample_from_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: in
     tok = (filt - torch.log(-torch.log(u))).argmax(-1)
     logp = logp_all.gather(-1, tok[:, None]).squeeze(-1)
     return tok, logp
-
-
-# ================================================================= batch of trajectories
-@dataclasses.dataclass
-class RolloutBatch:
-    """Trajectories of one or more generate calls (on the host unless moved).
-
-    - ``prompt_ids`` (B, P) int64, left-padded with ``pad_id``; ``prompt_mask`` (B, P) int64.
-    - ``response_ids`` (B, R) int64, right-padded; ``response_mask`` (B, R) bool, True at
-      generated tokens (a stop token included).
-    - ``logprobs`` (B, R) float32: log-prob of each sampled token under the policy that sampled
-      it (0 at padding).
-    - ``policy_version`` (B,) int64: the policy version that produced each sequence.
-    - ``stopped`` (B,) bool: the sequence ended with a stop token (else at max_new_tokens).
-    - ``temperature``: the sampling temperature (the learner scores log-probs with it).
-    - ``token_versions`` (B, R) int64 or None: the policy version that sampled each response token,
-      when weights changed mid-sequence (:class:`~torchtpu_rl.serving.ServingEngine`).
-    """
-
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    response_ids: torch.Tensor
-    response_mask: torch.Tensor
-    logprobs: torch.Tensor
-    policy_version: torch.Tensor
-    stopped: torch.Tensor
-    pad_id: int = 0
-    temperature: float = 1.0
-    token_versions: Optional[torch.Tensor] = None
-
-    _TENSORS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "policy_version",
-                "stopped")
-
-    def __post_init__(self):
-        B = self.prompt_ids.shape[0]
-        for name in self._TENSORS:
-            t = getattr(self, name)
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"RolloutBatch.{name} must be a tensor, not {type(t).__name__}")
-            if t.shape[0] != B:
-                raise ValueError(f"RolloutBatch.{name} has {t.shape[0]} rows, prompt_ids has {B}")
-        if self.token_versions is not None and self.token_versions.shape != self.response_ids.shape:
-            raise ValueError(f"RolloutBatch.token_versions must have response_ids' shape "
-                             f"{tuple(self.response_ids.shape)}, not {tuple(self.token_versions.shape)}")
-        if self.prompt_mask.shape != self.prompt_ids.shape:
-            raise ValueError("RolloutBatch.prompt_mask must have prompt_ids' shape")
-        for name in ("response_mask", "logprobs"):
-            if getattr(self, name).shape != self.response_ids.shape:
-                raise ValueError(f"RolloutBatch.{name} must have response_ids' shape "
-                                 f"{tuple(self.response_ids.shape)}, not {tuple(getattr(self, name).shape)}")
-
-    # ------------------------------------------------------------ views
-    def __len__(self):
-        return self.prompt_ids.shape[0]
-
-    @property
-    def batch_size(self) -> int:
-        return len(self)
-
-    @property
-    def device(self) -> torch.device:
-        return self.prompt_ids.device
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        """(B, P + R): prompt and response concatenated."""
-        return torch.cat([self.prompt_ids, self.response_ids], 1)
-
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        """(B, P + R) int64: 1 at real prompt and response tokens."""
-        return torch.cat([self.prompt_mask.long(), self.response_mask.long()], 1)
-
-    @property
-    def response_lengths(self) -> torch.Tensor:
-        return self.response_mask.long().sum(1)
-
-    @property
-    def prompt_lengths(self) -> torch.Tensor:
-        return self.prompt_mask.long().sum(1)
-
-    @property
-    def num_response_tokens(self) -> int:
-        return int(self.response_mask.sum())
-
-    def prompts(self) -> list:
-        """Prompts as lists of ints (padding removed)."""
-        ids, m = self.prompt_ids.cpu(), self.prompt_mask.cpu().bool()
-        return [ids[i][m[i]].tolist() for i in range(len(self))]
-
-    def responses(self) -> list:
-        """Responses as lists of ints (padding removed; a final stop token kept)."""
-        ids, m = self.response_ids.cpu(), self.response_mask.cpu().bool()
-        return [ids[i][m[i]].tolist() for i in range(len(self))]
-
-    # ------------------------------------------------------------ moves and reshapes
-    def _map(self, fn) -> "RolloutBatch":
-        tv = None if self.token_versions is None else fn(self.token_versions)
-        return dataclasses.replace(self, token_versions=tv, **{n: fn(getattr(self, n)) for n in self._TENSORS})
-
-    def token_versions_or_rows(self) -> torch.Tensor:
-        """(B, R) per-token policy versions: ``token_versions``, or each row's ``policy_version``."""
-        if self.token_versions is not None:
-            return self.token_versions
-        return self.policy_version[:, None].expand(self.response_ids.shape).clone()
-
-    def to(self, device) -> "RolloutBatch":
-        return self._map(lambda t: t.to(device))
-
-    def to_cpu(self) -> "RolloutBatch":
-        return self.to("cpu")
-
-    def select(self, index) -> "RolloutBatch":
-        """Rows ``index`` (a list/tensor of row numbers or a slice)."""
-        if isinstance(index, slice):
-            return self._map(lambda t: t[index])
-        idx = torch.as_tensor(index, dtype=torch.int64)
-        return self._map(lambda t: t.index_select(0, idx.to(t.device)))
-
-    def split(self, sizes) -> list:
-        """Split into batches of ``sizes`` rows (an int: equal chunks, the last may be smaller)."""
-        B = len(self)
-        if isinstance(sizes, int):
-            if sizes < 1:
-                raise ValueError(f"RolloutBatch.split: chunk size must be >= 1, not {sizes}")
-            sizes = [min(sizes, B - s) for s in range(0, B, sizes)]
-        sizes = [int(s) for s in sizes]
-        if sum(sizes) != B or any(s < 0 for s in sizes):
-            raise ValueError(f"RolloutBatch.split: sizes {sizes} do not add up to the batch size {B}")
-        out, start = [], 0
-        for s in sizes:
-            out.append(self.select(slice(start, start + s)))
-            start += s
-        return out
-
-    @staticmethod
-    def concat(batches: Sequence["RolloutBatch"]) -> "RolloutBatch":
-        """One batch of all rows: prompts left-padded, responses right-padded to the widest."""
-        batches = list(batches)
-        if not batches:
-            raise ValueError("RolloutBatch.concat needs at least one batch")
-        pad_id = batches[0].pad_id
-        P = max(b.prompt_ids.shape[1] for b in batches)
-        R = max(b.response_ids.shape[1] for b in batches)
-
-        def lp(t, w, v):
-            return F.pad(t, (w - t.shape[1], 0), value=v) if t.shape[1] < w else t
-
-        def rp(t, w, v):
-            return F.pad(t, (0, w - t.shape[1]), value=v) if t.shape[1] < w else t
-
-        temps = {b.temperature for b in batches}
-        if len(temps) > 1:
-            raise ValueError(f"RolloutBatch.concat: batches sampled at different temperatures {sorted(temps)}")
-        return RolloutBatch(
-            prompt_ids=torch.cat([lp(b.prompt_ids, P, pad_id) for b in batches]),
-            prompt_mask=torch.cat([lp(b.prompt_mask, P, 0) for b in batches]),
-            response_ids=torch.cat([rp(b.response_ids, R, pad_id) for b in batches]),
-            response_mask=torch.cat([rp(b.response_mask, R, False) for b in batches]),
-            logprobs=torch.cat([rp(b.logprobs, R, 0.0) for b in batches]),
-            policy_version=torch.cat([b.policy_version for b in batches]),
-            stopped=torch.cat([b.stopped for b in batches]),
-            pad_id=pad_id,
-            temperature=batches[0].temperature,
-            token_versions=(None if all(b.token_versions is None for b in batches) else
-                            torch.cat([rp(b.token_versions_or_rows(), R, 0) for b in batches])),
-        )
-
-    def state(self) -> dict:
-        """A plain dict of host tensors and ints (picklable for Ray or torch.save)."""
-        cpu = self.to_cpu()
-        out = {n: getattr(cpu, n) for n in self._TENSORS}
-        out.update(pad_id=self.pad_id, temperature=self.temperature)
-        if cpu.token_versions is not None:
-            out["token_versions"] = cpu.token_versions
-        return out
-
-    @classmethod
-    def from_state(cls, state: dict) -> "RolloutBatch":
-        return cls(**state)
 
 
 # ================================================================= the engine

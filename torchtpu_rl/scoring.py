@@ -60,6 +60,21 @@ class Scorer:
             raise RewardLengthError(f"the reward returned {len(vals)} values for {len(ps)} samples")
         return vals
 
+    def score_batch(self, items, batch, group_size: int, step: int, dataset=None, tokenizer=None) -> tuple:
+        """Score a rollout batch whose rows are each of ``items``' (``(dataset_index, prompt, metadata)``)
+        prompts ``group_size`` times: on token ids and metadata, or with a ``tokenizer`` (text mode) on
+        the prompts' texts (``dataset.text``), the decoded completions and per sample the item's columns
+        plus ``completion_ids`` -- what a RewardSet of TRL-style functions takes."""
+        responses = batch.responses()
+        metas = [m for _, _, m in items for _ in range(group_size)]
+        if tokenizer is None:
+            return self.score(batch.prompts(), responses, metas, step)
+        texts = [dataset.text(idx) for idx, _, _ in items for _ in range(group_size)]
+        completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        metas = [{**(m if isinstance(m, dict) else {"metadata": m}), "completion_ids": r}
+                 for m, r in zip(metas, responses)]
+        return self.score(texts, completions, metas, step)
+
     def score(self, prompts, responses, metas, step: int) -> tuple:
         errors = []
         extra = {}

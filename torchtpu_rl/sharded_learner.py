@@ -29,6 +29,7 @@ import torch
 
 from . import checkpoint as _ckpt
 from . import weight_sync as ws
+from .worker_group import CallOrder, InOrder
 from .workers import LearnerWorker
 
 __all__ = ["LearnerGroup", "ShardedLearnerWorker", "SPLIT_BATCH", "split_batch", "start_learner_group"]
@@ -53,8 +54,7 @@ class ShardedLearnerWorker(LearnerWorker):
                          sync_dtype)
         self.policy_fn = policy_fn
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self._turn = threading.Condition()
-        self._next_call = 0
+        self._order = InOrder(first=0)
 
     # ------------------------------------------------------------ call order
     def ordered(self, seq: int, method: str, args: tuple, peer_calls: Optional[list] = None):
@@ -64,18 +64,11 @@ class ShardedLearnerWorker(LearnerWorker):
         and a rank's error is raised here."""
         import ray
 
-        with self._turn:
-            while self._next_call != seq:
-                self._turn.wait()
-        try:
+        with self._order.turn(seq):
             out = getattr(self, method)(*args)
             if peer_calls:
                 ray.get(peer_calls)
             return out
-        finally:
-            with self._turn:
-                self._next_call = seq + 1
-                self._turn.notify_all()
 
     def status(self) -> dict:
         return {**super().status(), "rank": self.rank, "world_size": self.world_size}
@@ -153,7 +146,7 @@ class LearnerGroup:
     def __init__(self, host_group, group_size: int):
         self.host_group = host_group
         self.group_size = int(group_size)
-        self._seq = 0
+        self._order = CallOrder(1)
         self._lock = threading.Lock()
 
     @property
@@ -172,8 +165,7 @@ class LearnerGroup:
                     else [args] * W)
         per_rank = [tuple(p) + tuple(args[2:]) if method in SPLIT_BATCH else p for p in per_rank]
         with self._lock:  # call numbers in the order the calls are sent
-            seq = self._seq
-            self._seq += 1
+            seq = self._order.take()
             peers = [a.call.remote("ordered", (seq, method, per_rank[r]), {}) for r, a in enumerate(actors) if r]
             return actors[0].call.remote("ordered", (seq, method, per_rank[0], peers), {})
 

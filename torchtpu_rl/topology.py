@@ -9,32 +9,36 @@ ray_integration's slice placement assumes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import uuid
 from typing import Any, Callable, Optional
 
 import torch
 
 from . import weight_sync as ws
 from .sharded_learner import LearnerGroup, start_learner_group
+from .worker_group import LearnerClient, WorkerGroup
 from .workers import LearnerWorker, RewardModelActor, RolloutWorker, rollout_engine
 
-__all__ = ["Topology", "make_topology"]
+__all__ = ["Topology", "make_topology", "ray_session"]
 
 
 @dataclasses.dataclass
 class Topology:
-    """Handles of a run's actors."""
+    """A run's actors: the learner (one actor or a sharded group) behind a :class:`LearnerClient`,
+    the rollout workers as a :class:`WorkerGroup` (it numbers their ordered calls, so every driver
+    of one topology continues the same order), an optional reward actor."""
 
-    learner: Any
-    workers: list
+    learner_group: LearnerClient
+    workers: WorkerGroup
     reward_actor: Any = None
-    worker_options: dict = dataclasses.field(default_factory=dict)
-    worker_args: tuple = ()  # (policy_fn, pad_id, engine_kwargs): to start a replacement worker
-    learner_options: dict = dataclasses.field(default_factory=dict)
-    learner_args: tuple = ()  # (args, kwargs) of LearnerWorker: to start a replacement learner
-    # the next call number per worker (RolloutWorker._in_order); shared by every driver of the topology
-    call_seq: list = dataclasses.field(default_factory=list)
+
+    @property
+    def learner(self):
+        """The learner's actor handle (or its sharded ``LearnerGroup``)."""
+        return self.learner_group.actor
 
     def shutdown(self) -> None:
         import ray
@@ -128,12 +132,14 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
             except ValueError:
                 learner.shutdown()
                 raise
+        learner = LearnerClient(learner)  # no restart recipe: a sharded learner is not restarted
     else:
-        learner = ray.remote(LearnerWorker).options(**lopts).remote(*largs[0], **largs[1])
+        learner = LearnerClient(ray.remote(LearnerWorker).options(**lopts).remote(*largs[0], **largs[1]),
+                                (LearnerWorker, *largs, lopts))
     wopts = {**base, **(tpu_actor_options(capacity=tpu) if tpu else {}), "max_restarts": max_restarts,
              "max_concurrency": worker_concurrency}
-    workers = [ray.remote(RolloutWorker).options(**wopts).remote(policy_fn, pad_id, i, engine_kwargs)
-               for i in range(num_rollout_workers)]
+    workers = WorkerGroup.start(RolloutWorker, num_rollout_workers, (policy_fn, pad_id), wopts,
+                                lambda i: {"worker_index": i, "engine_kwargs": engine_kwargs})
     reward_actor = None
     ropts = {**base, "max_restarts": max_restarts}
     if reward_model_dir is not None:
@@ -141,4 +147,40 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
     elif reward_in_actor or reward_model_fn is not None:
         reward_actor = ray.remote(RewardModelActor).options(**ropts).remote(
             reward_fn=None if reward_model_fn is not None else reward_fn, model_fn=reward_model_fn, pad_id=pad_id)
-    return Topology(learner, workers, reward_actor, wopts, (policy_fn, pad_id, engine_kwargs), lopts, largs)
+    return Topology(learner, workers, reward_actor)
+
+
+# ------------------------------------------------------------------ Ray connection
+@contextlib.contextmanager
+def ray_session(run_dir: Optional[str] = None, *, num_cpus: int = 2, object_store_memory: int = 200 * 1024**2,
+                include_dashboard: bool = False):
+    """Be connected to Ray for the ``with`` block.
+
+    Already connected: nothing to do. ``RAY_ADDRESS`` set (e.g. under ``ray job submit``):
+    connect to it. Otherwise start a local head through ray_integration (stopped at exit).
+    Yields the :class:`ray_integration.LocalHead` it started, or None.
+    """
+    import ray
+
+    if ray.is_initialized():
+        yield None
+        return
+    addr = os.environ.get("RAY_ADDRESS")
+    if addr:
+        ray.init(address=addr, logging_level="WARNING")
+        try:
+            yield None
+        finally:
+            ray.shutdown()
+        return
+    from ray_integration import LocalHead, connect
+
+    head = LocalHead(run_dir or f"/tmp/rt_rl{uuid.uuid4().hex[:6]}", num_cpus=num_cpus,
+                     object_store_memory=object_store_memory, include_dashboard=include_dashboard)
+    head.start()
+    try:
+        connect(head)
+        yield head
+    finally:
+        ray.shutdown()
+        head.stop()

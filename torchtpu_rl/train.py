@@ -47,6 +47,8 @@ from typing import Optional
 
 __all__ = ["build_parser", "load_config", "main", "parse_args"]
 
+from .config import REPORT_TO, ConfigError, RunConfig
+
 RUN_FORMAT = "torchtpu_rl.train/1"
 ENGINES = ("static", "serving")  # workers.ENGINES, spelled here: parsing flags imports no torch
 
@@ -320,134 +322,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------ checks
-def _check_args(args) -> None:
+def _check_args(args) -> RunConfig:
+    """The flags as a :class:`~torchtpu_rl.config.RunConfig` (every range and combination checked there)."""
     for name in ("model", "data"):
         if not getattr(args, name):
             raise TrainError(f"--{name} is required (on the command line or in --config)")
-    if not args.reward and not args.reward_model:
-        raise TrainError("give at least one --reward (or a --reward-model)")
-    for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "rollout_workers", "ppo_epochs",
-                 "learner_processes", "keep_checkpoints"):
-        v = getattr(args, name)
-        if v is None or v < (0 if name == "steps" else 1):
-            raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, not {v!r}")
-    # optional sizes: absent means derived, given means >= 1
-    for name in ("max_prompt_tokens", "mini_batch_size", "micro_batch_size", "micro_batch_tokens", "ray_num_cpus",
-                 "ray_object_store_mb", "max_slots", "page_size", "kv_pages"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, not {v!r}")
-    _check_floats(args)
-    if args.report_to is None:
-        args.report_to = ["tensorboard"]
-    if "none" in args.report_to and len(args.report_to) > 1:
-        raise TrainError(f"--report-to none goes alone, not with {[r for r in args.report_to if r != 'none']}")
-    if args.eval_samples < 0:
-        raise TrainError(f"--eval-samples must be >= 0, not {args.eval_samples}")
+    try:
+        config = RunConfig.from_args(args)
+    except ConfigError as e:
+        raise TrainError(str(e)) from e
+    args.report_to = config.report_to
     if "wandb" in args.report_to:
         import importlib.util
 
         if importlib.util.find_spec("wandb") is None:
             raise TrainError("--report-to wandb needs the wandb package (pip install wandb); it logs in offline mode")
-    if args.lora_rank < 0:
-        raise TrainError(f"--lora-rank must be >= 0, not {args.lora_rank}")
-    if not args.rollout_is_threshold > 0:
-        raise TrainError(f"--rollout-is-threshold must be > 0, not {args.rollout_is_threshold}")
-    for name in ("save_every", "eval_every", "max_staleness"):
-        if getattr(args, name) < 0:
-            raise TrainError(f"--{name.replace('_', '-')} must be >= 0")
-    if args.algo == "grpo" and args.group_size < 2:
-        raise TrainError("GRPO needs --group-size >= 2 (advantages are relative to the group)")
-    if args.reward_weight and len(args.reward_weight) != len(args.reward or []):
-        raise TrainError(f"{len(args.reward_weight)} --reward-weight for {len(args.reward or [])} --reward; give one "
-                         "weight per reward, in order")
-    if not args.temperature > 0:
-        raise TrainError("--temperature must be > 0 for training rollouts (evaluation is greedy)")
-    _check_engine(args)
-    if args.learner_processes > 1:
-        n = args.learner_processes
-        if args.algo != "grpo" or args.lora_rank or args.transport != "object_store":
-            raise TrainError(f"--learner-processes {n} (a sharded learner) trains GRPO with full fine-tuning and "
-                             f"syncs through the object store: not --algo {args.algo}, --lora-rank {args.lora_rank}, "
-                             f"--transport {args.transport}")
-        if args.prompts_per_step % n:
-            raise TrainError(f"--prompts-per-step {args.prompts_per_step} must be a multiple of --learner-processes "
-                             f"{n} (each learner process trains on whole prompt groups)")
-
-
-def _check_engine(args) -> None:
-    """The rollout engine's flags: the serving engine's sizes only with it, and the static engine's options
-    that the serving engine does not have refused with it (inside an actor they would fail at its start)."""
-    if args.engine != "serving":
-        given = [f for f in ("max_slots", "page_size", "kv_pages") if getattr(args, f) is not None]
-        if given:
-            raise TrainError(f"--{given[0].replace('_', '-')} sizes the serving engine: give --engine serving "
-                             f"(the engine is --engine {args.engine})")
-        return
-    if args.rollout_quantization != "none":
-        raise TrainError(f"--rollout-quantization {args.rollout_quantization}: the serving engine (--engine serving) "
-                         "generates with the weights as synced; use --engine static for quantized rollouts")
-    if args.rollout_dtype and args.rollout_dtype != args.dtype:
-        raise TrainError(f"--rollout-dtype {args.rollout_dtype}: the serving engine (--engine serving) generates in "
-                         f"--dtype ({args.dtype}); use --engine static for another rollout dtype")
-    if args.lora_rank:
-        raise TrainError(f"--lora-rank {args.lora_rank}: the serving engine (--engine serving) does not merge LoRA "
-                         "adapters into its weights; use --engine static with LoRA")
-
-
-def _engine_kwargs(args) -> dict:
-    """The rollout workers' engine options (after :func:`_derive_from_model`: the prompt budget is known)."""
-    from torchtpu.bucketing import BucketPolicy
-
-    seq = args.max_prompt_tokens + args.max_new_tokens
-    if args.engine == "serving":
-        # default: a worker's share of a step's samples at once (the driver splits whole prompt groups)
-        slots = args.max_slots or min(256, -(-args.prompts_per_step // args.rollout_workers) * args.group_size)
-        page = args.page_size or 16
-        need = -(-seq // page)
-        if args.kv_pages is not None and args.kv_pages < need:
-            raise TrainError(f"--kv-pages {args.kv_pages} cannot hold one sequence: --max-prompt-tokens "
-                             f"{args.max_prompt_tokens} + --max-new-tokens {args.max_new_tokens} take {need} pages of "
-                             f"--page-size {page}")
-        return {"engine": "serving", "max_slots": slots, "page_size": page,
-                "kv_pages": args.kv_pages or slots * need}
-    kw = {"prompt_buckets": BucketPolicy.pow2(min(16, args.max_prompt_tokens), args.max_prompt_tokens, name="prompt"),
-          "response_buckets": BucketPolicy.pow2(min(8, args.max_new_tokens), args.max_new_tokens, name="response")}
-    if args.rollout_quantization != "none":
-        kw["quantization"] = args.rollout_quantization
-    if args.rollout_dtype and args.rollout_dtype != args.dtype:
-        kw["dtype"] = args.rollout_dtype
-    return kw
-
-
-def _check_floats(args) -> None:
-    """Every float flag in its range, NaN and infinity refused (a NaN passes any ``<`` test)."""
-    def need(name, ok, what):
-        v = getattr(args, name)
-        if v is None or not math.isfinite(v) or not ok(v):
-            raise TrainError(f"--{name.replace('_', '-')} must be {what}, not {v!r}")
-
-    need("lr", lambda v: v > 0, "a finite number > 0")
-    need("kl_coef", lambda v: v >= 0, "a finite number >= 0 (0: no reference policy)")
-    need("grad_clip", lambda v: v >= 0, "a finite number >= 0 (0: no clipping)")
-    need("temperature", lambda v: v > 0, "a finite number > 0 for training rollouts (evaluation is greedy)")
-    need("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
-    need("rollout_is_threshold", lambda v: v > 0, "> 0 (a finite number)")
-    need("lora_alpha", lambda v: v > 0, "a finite number > 0")
-    need("save_interval_s", lambda v: v > 0, "a finite number of seconds > 0")
-    need("reward_model_weight", lambda v: True, "a finite number")
-    need("max_reward_error_fraction", lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
-    need("clip_eps", lambda v: 0 < v < 1, "in (0, 1)")
-    if args.clip_eps_high is not None:
-        need("clip_eps_high", lambda v: v > 0, "a finite number > 0")
-    need("entropy_coef", lambda v: True, "a finite number")
-    need("weight_decay", lambda v: v >= 0, "a finite number >= 0")
-    if args.top_k < 0:
-        raise TrainError(f"--top-k must be >= 0 (0: off), not {args.top_k}")
-    for i, w in enumerate(args.reward_weight or []):
-        if not math.isfinite(w):
-            raise TrainError(f"--reward-weight must be finite numbers: weight {i + 1} (of --reward "
-                             f"{(args.reward or ['?'] * (i + 1))[i]!r}) is {w}")
+    return config
 
 
 def _is_checkpoint(d: str) -> bool:
@@ -547,28 +437,6 @@ def _check_resume(ckpt: str, args, fingerprint: dict) -> dict:
     return meta
 
 
-DEFAULT_MAX_PROMPT_TOKENS = 512
-
-
-def _derive_from_model(args, cfg, weight_bytes: int) -> None:
-    """The defaults that depend on the model: the prompt budget (what the context leaves after the response)
-    and the local head's object store (weight syncs pass through it). A value given that does not fit the
-    model stays an error."""
-    top = getattr(cfg, "max_position_embeddings", None) or 4096
-    if args.max_new_tokens >= top:
-        raise TrainError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
-                         f"max_position_embeddings {top}")
-    if args.max_prompt_tokens is None:
-        args.max_prompt_tokens = min(DEFAULT_MAX_PROMPT_TOKENS, top - args.max_new_tokens)
-    elif args.max_prompt_tokens + args.max_new_tokens > top:
-        raise TrainError(f"--max-prompt-tokens {args.max_prompt_tokens} + --max-new-tokens {args.max_new_tokens} "
-                         f"exceed the model's max_position_embeddings {top}")
-    if args.ray_object_store_mb is None:
-        args.ray_object_store_mb = max(200, -(-2 * weight_bytes // 2**20))
-    if args.ray_num_cpus is None:
-        args.ray_num_cpus = os.cpu_count() or 2
-
-
 def _lora_spec(args, cfg):
     """The LoRA settings, their targets checked against the model's layers (built on the meta device)."""
     if not args.lora_rank:
@@ -591,22 +459,6 @@ def _lora_spec(args, cfg):
     return spec
 
 
-def _learner_kwargs(args) -> dict:
-    kw = dict(lr=args.lr, kl_coef=args.kl_coef, grad_clip=args.grad_clip or None, seed=args.seed,
-              ppo_epochs=args.ppo_epochs, mini_batch_size=args.mini_batch_size, micro_batch_size=args.micro_batch_size,
-              micro_batch_tokens=args.micro_batch_tokens, gradient_checkpointing=bool(args.gradient_checkpointing),
-              eps_low=args.clip_eps, eps_high=args.clip_eps_high, entropy_coef=args.entropy_coef,
-              weight_decay=args.weight_decay, loss_agg=args.loss_agg,
-              # bfloat16: the learner keeps float32 master weights and optimizer state
-              param_dtype=args.dtype)
-    if args.algo == "grpo":
-        kw.update(group_size=args.group_size, grpo_normalize_std=args.scale_rewards == "group")
-    level = args.rollout_is or ("token" if args.rollout_quantization != "none" else "none")
-    if level != "none":
-        kw.update(tis_cap=args.rollout_is_threshold, tis_level=level)
-    return kw
-
-
 # ------------------------------------------------------------------ outputs
 def _jsonable(v):
     if isinstance(v, float) and not math.isfinite(v):
@@ -614,7 +466,6 @@ def _jsonable(v):
     return v
 
 
-REPORT_TO = ("tensorboard", "wandb", "none")
 
 
 class _NoWriter:
@@ -824,11 +675,15 @@ def _check_inputs(args) -> dict:
     from .rewards import resolve_reward
     from .rollout import SamplingParams
 
-    _check_args(args)
+    config = _check_args(args)
     args.out = os.path.abspath(args.out)  # the actors' working directory is not this one
     cfg = hf.causal_lm_config(args.model)  # refuses a directory that is not a causal LM, before any actor starts
     weight_files = hf.check_weights(args.model, "--model")
-    _derive_from_model(args, cfg, sum(os.path.getsize(os.path.join(args.model, f)) for f in weight_files))
+    config.derive_from_model(getattr(cfg, "max_position_embeddings", None),
+                             sum(os.path.getsize(os.path.join(args.model, f)) for f in weight_files))
+    for name in ("ray_num_cpus", "ray_object_store_mb"):  # (run.json keeps the flags as run)
+        setattr(args, name, getattr(config, name))
+    args.max_prompt_tokens = config.rollout.max_prompt_tokens
     lora = _lora_spec(args, cfg)
     fingerprint = hf.model_fingerprint(args.model)
     tokenizer = hf.load_tokenizer(args.model)
@@ -857,11 +712,9 @@ def _check_inputs(args) -> dict:
     stops.update(gen_eos)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, stop_token_ids=tuple(sorted(stops)))
-    engine_kwargs = _engine_kwargs(args)
-    return dict(tokenizer=tokenizer, fingerprint=fingerprint, ckpt=ckpt, meta=meta, dataset=dataset, eval_set=eval_set,
-                lora=lora,
-                rewards=rewards, weights=weights, sampling=sampling, engine_kwargs=engine_kwargs,
-                learner_kwargs=_learner_kwargs(args))
+    return dict(config=config, tokenizer=tokenizer, fingerprint=fingerprint, ckpt=ckpt, meta=meta, dataset=dataset,
+                eval_set=eval_set, lora=lora, rewards=rewards, weights=weights, sampling=sampling,
+                engine_kwargs=config.engine_kwargs(), learner_kwargs=config.learner_kwargs())
 
 
 def _save(driver, topo, args, fingerprint, out_ckpts: str) -> str:

@@ -25,11 +25,9 @@ reward actor is simply called again.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import os
-import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -37,53 +35,16 @@ import torch
 
 from . import checkpoint as _ckpt
 from . import weight_sync as ws
+from .protocol import (LearnerRestarted, RolloutBatch, RolloutRequest, RolloutResult, WorkerNotReady)
+from .worker_group import ONE_TO_ALL, ROUND_ROBIN, InOrder, call_restartable, dispatch
 
 __all__ = [
     "ActorReward",
     "ENGINES",
     "LearnerWorker",
     "RewardModelActor",
-    "RolloutRequest",
-    "RolloutResult",
-    "LearnerRestarted",
     "RolloutWorker",
-    "WorkerNotReady",
 ]
-
-
-@dataclasses.dataclass
-class RolloutRequest:
-    """One unit of rollout work: whole prompt groups, a seed, and the step it belongs to."""
-
-    request_id: int
-    step: int
-    prompts: list  # token-id lists, each group's prompt repeated group_size times
-    params: Any  # rollout.SamplingParams
-    seed: int
-    seq: Optional[int] = None  # the driver's call order on this worker (see RolloutWorker)
-
-
-@dataclasses.dataclass
-class RolloutResult:
-    request_id: int
-    batch: dict  # RolloutBatch.state(): host tensors
-    policy_version: int
-    worker_index: int
-    pid: int
-    seconds: float
-    response_tokens: int
-    stats: dict = dataclasses.field(default_factory=dict)  # the engine's last_stats (numbers) for this call
-
-
-class WorkerNotReady(RuntimeError):
-    """A (re)started rollout worker got work before its first weights."""
-
-
-class LearnerRestarted(RuntimeError):
-    """A learner process Ray restarted got work before the driver loaded a checkpoint into it.
-
-    Ray sends calls made after the restart to the new process, which holds the initial weights:
-    training or publishing them would go on silently from the wrong state."""
 
 
 def _seed_all(seed: int) -> None:
@@ -132,42 +93,22 @@ class RolloutWorker:
         self.engine = cls(model, pad_id, device=device, policy_version=-1, **kw)
         self.receiver = ws.WeightReceiver(device="tpu" if torch.device(device).type == "tpu" else "cpu")
         self.version = -1  # no weights from the learner yet
-        self._gen_lock = threading.Lock()
-        self._turn = threading.Condition()
-        self._next_seq = None  # adopted from the first ordered call this process sees
+        self._order = InOrder()  # its lock is the generation lock
         self._generating = None  # request id in flight
         self.started_at = time.time()
         self.counts = {"generate_calls": 0, "updates": 0}
 
-    # ------------------------------------------------------------ call order
     # Calls run on several threads (a weight update must be able to arrive mid-generation), but
-    # generations and weight installs happen in the order the driver sent them (``seq``): an
-    # update sent after a generate request never overtakes it, so which version generates which
-    # batch depends on the driver's decisions only, not on thread timing (async runs are
-    # reproducible). A restarted process adopts the first sequence number it receives.
-    @contextlib.contextmanager
-    def _in_order(self, seq: Optional[int]):
-        if seq is None:
-            with self._gen_lock:
-                yield
-            return
-        with self._turn:
-            if self._next_seq is None:
-                self._next_seq = seq
-            while self._next_seq != seq:
-                self._turn.wait()
-        try:
-            with self._gen_lock:
-                yield
-        finally:
-            with self._turn:
-                self._next_seq = seq + 1
-                self._turn.notify_all()
+    # generations and weight installs happen in the order the driver sent them (``seq``, numbered by
+    # the WorkerGroup): an update sent after a generate request never overtakes it, so which version
+    # generates which batch depends on the driver's decisions only, not on thread timing (async runs
+    # are reproducible). A restarted process adopts the first number it receives.
 
     # ------------------------------------------------------------ generation
-    def generate(self, request: RolloutRequest) -> RolloutResult:
+    @dispatch(ROUND_ROBIN, ordered=True)
+    def generate(self, request: RolloutRequest, seq: Optional[int] = None) -> RolloutResult:
         t0 = time.perf_counter()
-        with self._in_order(request.seq):
+        with self._order.turn(seq):
             if self.version < 0:
                 raise WorkerNotReady(f"rollout worker {self.worker_index}: no weights yet (sync weights first)")
             self._generating = request.request_id
@@ -188,7 +129,7 @@ class RolloutWorker:
     def _install(self, version: int, tensors: dict, seq: Optional[int]) -> dict:
         """pause -> drop the KV cache -> install -> set version -> resume; returns the install's
         figures (seconds paused, tensors swapped / copied)."""
-        with self._in_order(seq):  # waits for an in-flight generate to finish
+        with self._order.turn(seq):  # waits for an in-flight generate to finish
             t0 = time.perf_counter()
             how = self.engine.update_weights(tensors, policy_version=version)
             self.version = int(version)
@@ -196,6 +137,7 @@ class RolloutWorker:
             dt = time.perf_counter() - t0
             return {"paused_s": dt, "install_s": dt, **{f"install_{k}": v for k, v in how.items()}}
 
+    @dispatch(ONE_TO_ALL, ordered=True)
     def update_weights(self, update: ws.WeightUpdate, seq: Optional[int] = None) -> dict:
         """Install an object-store update (the one control call of a sync)."""
         t0 = time.perf_counter()
@@ -203,23 +145,28 @@ class RolloutWorker:
             update.plan.check_matches(self.engine.sync_reference(), who=f"rollout worker {self.worker_index}")
             tensors = self.receiver.receive(update)  # fetched outside the pause
         except BaseException:
-            self._skip_turn(seq)
+            self._order.skip(seq)
             raise
         installed = self._install(update.version, tensors, seq)
         return {"worker": self.worker_index, "version": self.version, "seconds": time.perf_counter() - t0,
                 **installed, **self.receiver.last_timings}
 
-    def collective_setup(self, init_method: str, world_size: int, rank: int, backend: str) -> int:
+    @dispatch(ONE_TO_ALL)
+    def collective_setup(self, init_method: str, world_size: int, backend: str) -> int:
+        """Join the weight-sync group as rank ``worker_index + 1`` (the learner is rank 0)."""
+        rank = self.worker_index + 1
         if self.receiver.group is not None:
             self.receiver.group.destroy()
         self.receiver.group = ws.CollectiveGroup(backend, init_method, world_size, rank)
         return rank
 
+    @dispatch(ONE_TO_ALL)
     def collective_teardown(self) -> None:
         if self.receiver.group is not None:
             self.receiver.group.destroy()
             self.receiver.group = None
 
+    @dispatch(ONE_TO_ALL, ordered=True)
     def receive_weights(self, seq: Optional[int] = None) -> dict:
         """Take part in the learner's broadcast (the one control call of a collective sync)."""
         t0 = time.perf_counter()
@@ -229,27 +176,22 @@ class RolloutWorker:
             update, tensors = self.receiver.receive_broadcast()
             update.plan.check_matches(self.engine.sync_reference(), who=f"rollout worker {self.worker_index}")
         except BaseException:
-            self._skip_turn(seq)
+            self._order.skip(seq)
             raise
         installed = self._install(update.version, tensors, seq)
         return {"worker": self.worker_index, "version": self.version, "seconds": time.perf_counter() - t0,
                 **installed, **self.receiver.last_timings}
 
-    def _skip_turn(self, seq: Optional[int]) -> None:
-        """Give up call number ``seq`` (a sync that failed before its install), so that the calls
-        sent after it do not wait for it."""
-        if seq is not None:
-            with self._in_order(seq):
-                pass
-
     # ------------------------------------------------------------ introspection
+    @dispatch(ONE_TO_ALL)
     def status(self) -> dict:
         return {"worker": self.worker_index, "pid": os.getpid(), "version": self.version,
                 "generating": self._generating, "started_at": self.started_at,
                 "group": self.receiver.group is not None, **self.counts}
 
+    @dispatch(ONE_TO_ALL)
     def checksums(self) -> dict:
-        with self._gen_lock:
+        with self._order.lock:
             return ws.tensor_checksums(self.engine.model.state_dict())
 
 
@@ -300,8 +242,6 @@ class LearnerWorker:
                 "group": self.sender.group is not None}
 
     def train_step(self, batch_state: dict, rewards: Sequence[float]) -> dict:
-        from .rollout import RolloutBatch
-
         self._check_restored("train_step")
         batch = RolloutBatch.from_state(batch_state)
         t0 = time.perf_counter()
@@ -442,42 +382,3 @@ class ActorReward:
     def __call__(self, prompts, completions, **columns):
         # a reward actor that dies is restarted by Ray (make_topology's max_restarts): call again
         return call_restartable(self.actor, "score", list(prompts), list(completions), [{}] * len(prompts))
-
-
-def actor_died_errors() -> tuple:
-    """The exceptions Ray raises for a call to an actor that died or is restarting."""
-    import ray.exceptions as rex
-
-    return tuple(getattr(rex, n) for n in ("RayActorError", "ActorDiedError", "ActorUnavailableError")
-                 if hasattr(rex, n))
-
-
-def wait_for_actor(actor, timeout_s: float = 120.0) -> dict:
-    """Block until ``actor`` (restarting after a death) answers ``status()``; returns it. Raises
-    the last actor error when it does not come back within ``timeout_s`` (out of restarts)."""
-    import ray
-    import ray.exceptions as rex
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return ray.get(actor.status.remote(), timeout=max(1.0, deadline - time.monotonic()))
-        except actor_died_errors() as e:
-            if isinstance(e, getattr(rex, "ActorUnavailableError", ())) and time.monotonic() < deadline:
-                time.sleep(0.1)  # restarting
-                continue
-            raise
-
-
-def call_restartable(actor, method: str, *args, timeout_s: float = 120.0, on_death: Optional[Callable] = None):
-    """``ray.get(actor.<method>.remote(*args))``, called again once the actor is back when it died
-    during the call (for stateless calls: a reward actor's ``score``)."""
-    import ray
-
-    while True:
-        try:
-            return ray.get(getattr(actor, method).remote(*args))
-        except actor_died_errors() as e:
-            if on_death is not None:
-                on_death(e)
-            wait_for_actor(actor, timeout_s)

@@ -177,9 +177,11 @@ def test_the_scan_sees_function_level_and_relative_imports(tmp_path, monkeypatch
 # data) import neither Ray nor the modules that hold actors (driver, workers, topology, sharded_learner, train):
 # they run and are tested in one process.
 RL_RAY_LAYER = {"torchtpu_rl.driver", "torchtpu_rl.workers", "torchtpu_rl.topology", "torchtpu_rl.sharded_learner",
-                "torchtpu_rl.train"}
+                "torchtpu_rl.train", "torchtpu_rl.worker_group", "torchtpu_rl.sync_controller", "torchtpu_rl.recovery"}
 RL_BELOW_RAY = ("algorithms", "rewards", "scoring", "checkpoint_policy", "checkpoint", "data", "learner", "lora",
-                "policy", "hf", "rollout")
+                "policy", "hf", "rollout", "protocol", "config")
+# the bottom of torchtpu_rl: the wire types and the typed configs stand on no other module of it
+RL_BOTTOM = ("protocol", "config")
 
 
 def _imports_ray(path: pathlib.Path) -> list:
@@ -197,3 +199,21 @@ def test_rl_modules_below_the_ray_layer_import_no_ray(name):
     up = [(m, line) for m, line in _imports(path) if m in RL_RAY_LAYER]
     assert not up, f"torchtpu_rl.{name} imports the Ray layer: {up}"
     assert not _imports_ray(path), f"torchtpu_rl.{name} imports ray at lines {_imports_ray(path)}"
+
+
+@pytest.mark.parametrize("name", RL_BOTTOM)
+def test_rl_protocol_and_config_are_the_bottom(name):
+    path = ROOT / "torchtpu_rl" / f"{name}.py"
+    up = [(m, line) for m, line in _imports(path) if m.startswith("torchtpu_rl")]
+    assert not up, f"torchtpu_rl.{name} is the bottom of torchtpu_rl and imports {up}"
+
+
+def test_rl_learner_and_rollout_engines_never_import_each_other():
+    learner = {"torchtpu_rl.learner", "torchtpu_rl.sharded_learner"}
+    engines = {"torchtpu_rl.rollout", "torchtpu_rl.serving"}
+    bad = []
+    for side, other in ((learner, engines), (engines, learner)):
+        for mod in side:
+            path = ROOT / "torchtpu_rl" / f"{mod.split('.')[-1]}.py"
+            bad += [f"{mod} imports {m} (line {line})" for m, line in _imports(path) if m in other]
+    assert not bad, "\n".join(bad)

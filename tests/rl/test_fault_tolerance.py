@@ -167,12 +167,12 @@ alone)."""
 
     import ray
 
-    from torchtpu_rl.workers import LearnerWorker
+    from torchtpu_rl.worker_group import LearnerClient
 
-    args, kwargs = topo.learner_args
-    dead = ray.remote(LearnerWorker).options(num_cpus=0, max_restarts=0).remote(*args, **kwargs)
+    cls, args, kwargs, _ = topo.learner_group.recipe
+    dead = ray.remote(cls).options(num_cpus=0, max_restarts=0).remote(*args, **kwargs)
     ray.kill(dead, no_restart=True)
-    d = _driver(dataclasses.replace(topo, learner=dead))
+    d = _driver(dataclasses.replace(topo, learner_group=LearnerClient(dead)))
     with pytest.raises(RuntimeError, match="learner died at step 0 and there is no checkpoint"):
         d.step()
 
@@ -217,7 +217,7 @@ def test_learner_restarted_while_idle_is_restored_not_trained_from_scratch(topo,
     new process): the driver must notice and restore the checkpoint, not train the fresh process."""
     import ray
 
-    from torchtpu_rl.workers import wait_for_actor
+    from torchtpu_rl.worker_group import wait_for_actor
 
     d = _driver(topo, checkpoint_dir=str(tmp_path), checkpoint_every=1)
     d.run(1, progress=False)

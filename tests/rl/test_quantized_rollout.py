@@ -129,7 +129,7 @@ def test_train_flags_for_quantized_rollouts():
 
     def kwargs(*flags):
         args = train.parse_args(["--model", "m", "--data", "d", "--reward", "math_answer", *flags])
-        return train._learner_kwargs(args)
+        return train._check_args(args).learner_kwargs()
 
     assert "tis_cap" not in kwargs()  # full-precision rollouts: no correction unless asked
     kw = kwargs("--rollout-quantization", "fp8")

@@ -90,6 +90,21 @@ def test_weight_sync_checksums(topo, transport, backend):
     assert d.last_sync["bytes"] == sum(p.numel() * p.element_size() for p in _policy_fn()().state_dict().values())
 
 
+@pytest.mark.parametrize("requests_per_worker", [1, 2])
+def test_control_messages_per_step(topo, requests_per_worker):
+    """A sync step sends N + R + 2 control messages for N rollout requests on R workers: N generate
+    calls, train_step and publish_weights, one weight update per worker (handed the publish call's
+    reference: the driver does not relay the update). The first step adds the version query and the
+    initial sync (publish + R updates)."""
+    d = _driver(topo, requests_per_worker=requests_per_worker)
+    N, R = 2 * requests_per_worker, len(topo.workers)
+    d.step()
+    assert d.control_messages == 1 + (1 + R) + (N + R + 2)
+    before = d.control_messages
+    d.step()
+    assert d.control_messages - before == N + R + 2
+
+
 def test_reward_errors_name_the_sample(topo):
     from torchtpu_rl.driver import RewardError
 
