@@ -244,12 +244,34 @@ class PagedCache(Cache):
         self.layer_types = layer_types
         self.write_index = torch.zeros(1, dtype=torch.int64, device=device)
         self.read_index = torch.zeros((1, page_size), dtype=torch.int64, device=device)
+        self._pool_shape, self._dtype, self._device = shape, dtype, device
         layers = [_PagedLayer(torch.zeros(shape, dtype=dtype, device=device),
                               torch.zeros(shape, dtype=dtype, device=device), self,
                               kind == "sliding_attention", i)
                   for i, kind in enumerate(layer_types)]
         super().__init__(layers=layers)
         self.nbytes = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers)
+
+    @property
+    def allocated(self) -> bool:
+        return self.layers[0].keys is not None
+
+    def release(self) -> int:
+        """Drop every layer's page pools (their device memory goes back to the allocator once nothing
+        else holds them); returns the bytes dropped. :meth:`allocate` makes fresh (zeroed) ones."""
+        if not self.allocated:
+            return 0
+        for layer in self.layers:
+            layer.keys = layer.values = None
+        return self.nbytes
+
+    def allocate(self) -> None:
+        """Fresh zeroed pools of the original shape, dtype and device (after :meth:`release`)."""
+        if self.allocated:
+            return
+        for layer in self.layers:
+            layer.keys = torch.zeros(self._pool_shape, dtype=self._dtype, device=self._device)
+            layer.values = torch.zeros(self._pool_shape, dtype=self._dtype, device=self._device)
 
     def set_indices(self, write_index, read_index) -> None:
         self.write_index, self.read_index = write_index, read_index

@@ -492,6 +492,9 @@ class ServingEngine(PauseGate):
             raise ValueError("ServingEngine.generate: prompts must be a non-empty list of token-id lists")
         if self._paused_by is not None and self._paused_by == threading.get_ident():
             raise RuntimeError("ServingEngine.generate called while this thread holds pause(); call resume()")
+        if self.memory_released:
+            raise RuntimeError("ServingEngine.generate: the KV memory is released (release_memory()); call "
+                               "resume_memory() first")
         groups: dict = {}
         for i, p in enumerate(prompts):
             key = tuple(p.tolist() if isinstance(p, torch.Tensor) else p)
@@ -595,6 +598,9 @@ class ServingEngine(PauseGate):
         self._c["preemptions"] += 1
 
     def _step(self) -> None:
+        if self.memory_released:
+            raise RuntimeError("ServingEngine: the KV memory is released (release_memory()); call "
+                               "resume_memory() before generating")
         self._service_update()
         progressed = False
         draining = self._draining is not None
@@ -842,6 +848,37 @@ class ServingEngine(PauseGate):
                 req.id, list(req.prompt),
                 [SampleOutput(q.tokens[P:], q.logprobs, q.versions, q.finish) for q in req.seqs],
                 req.params.temperature, self.pad_id))
+
+    # ------------------------------------------------------------ colocated mode: memory
+    @property
+    def memory_released(self) -> bool:
+        """True between :meth:`release_memory` and :meth:`resume_memory`."""
+        return not self.cache.allocated
+
+    def release_memory(self) -> int:
+        """Free the KV page pools on the device while a colocated learner trains (verl's hybrid engine,
+        vLLM's sleep): running sequences are preempted (requeued with the tokens they have, to be
+        recomputed after :meth:`resume_memory`), the prefix cache is dropped and the pools are let go.
+        Steps refuse to run until :meth:`resume_memory`; requests may still be submitted. The model's
+        weights stay where they are (colocated, they are the learner's). Returns the bytes freed."""
+        with self._lock:
+            if self.memory_released:
+                raise RuntimeError("ServingEngine.release_memory: the KV memory is already released; call "
+                                   "resume_memory() first")
+            for s in sorted(self._running, key=lambda q: -q.order):
+                self._preempt(s)
+            self.prefix.clear()
+            if self.pages.used:
+                raise RuntimeError(f"ServingEngine.release_memory: {self.pages.used} KV pages are still held")
+            return self.cache.release()
+
+    def resume_memory(self) -> None:
+        """Allocate the KV page pools again (zeroed; the same shapes, so no program is rebuilt) after
+        :meth:`release_memory`; waiting and preempted sequences continue at the next step."""
+        with self._lock:
+            if not self.memory_released:
+                raise RuntimeError("ServingEngine.resume_memory: the KV memory is not released")
+            self.cache.allocate()
 
     # ------------------------------------------------------------ weights
     def drop_cache(self) -> None:

@@ -402,6 +402,62 @@ def test_abort_mid_stream_frees_pages():
     assert eng.pages.used == 0
 
 
+# ================================================================= colocated mode: KV memory released and taken back
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_release_memory_mid_stream_then_resume_gives_the_same_tokens(temperature):
+    """Released mid-stream (a colocated learner takes the device), the running sequences are requeued
+    with their tokens, nothing steps until resume_memory(), and after it every request gets the tokens
+    of an uninterrupted run."""
+    params = SamplingParams(max_new_tokens=9, temperature=temperature)
+    ref = _engine(max_slots=4, page_size=4)
+    for i, p in enumerate(PROMPTS):
+        ref.submit(p, params, request_id=f"r{i}", seed=3)
+    want = {o.request_id: o.samples[0].tokens for o in ref.stream()}
+
+    eng = _engine(max_slots=4, page_size=4)
+    for i, p in enumerate(PROMPTS):
+        eng.submit(p, params, request_id=f"r{i}", seed=3)
+    for _ in range(4):
+        eng.step()
+    assert eng.pages.used > 0
+    freed = eng.release_memory()
+    assert freed == eng.cache.nbytes > 0 and eng.memory_released
+    assert eng.pages.used == 0 and not eng._running and len(eng.prefix) == 0
+    eng.submit([9, 9, 9], params, request_id="late", seed=3)  # queueing is allowed while released
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        eng.step()
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        eng.generate([[1, 2]], params)
+    with pytest.raises(RuntimeError, match="already released"):
+        eng.release_memory()
+    eng.resume_memory()
+    with pytest.raises(RuntimeError, match="not released"):
+        eng.resume_memory()
+    got = {o.request_id: o.samples[0].tokens for o in eng.stream()}
+    assert {k: v for k, v in got.items() if k != "late"} == want
+    assert len(got["late"]) == 9
+
+
+def test_release_memory_frees_the_device_pools_and_resume_compiles_nothing():
+    """On tpu the pools' bytes leave the device's allocated memory, a weight update still goes in while
+    released, and the programs built before serve the re-allocated pools (no compile)."""
+    prompts = PROMPTS[:4]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    eng = _engine(device="tpu", compile=True, max_slots=4, page_size=8, kv_pages=64,
+                  slot_buckets=BucketPolicy.explicit([4]), page_buckets=BucketPolicy.explicit([2]),
+                  token_buckets=BucketPolicy.explicit([8]))
+    first = eng.generate(prompts, params)
+    before = torch.tpu.memory_allocated()
+    freed = eng.release_memory()
+    assert before - torch.tpu.memory_allocated() >= freed == eng.cache.nbytes
+    eng.update_weights(eng.model.state_dict(), mode="finish")  # a weight sync while the learner holds the device
+    eng.resume_memory()
+    assert torch.tpu.memory_allocated() - (before - freed) >= freed
+    again = eng.generate(prompts, params)
+    assert eng.last_stats["compiles"] == 0
+    assert torch.equal(again.response_ids, first.response_ids)
+
+
 # ================================================================= tpu: compiled programs, no steady-state compiles
 def test_compiled_on_tpu_matches_and_compiles_nothing_in_steady_state():
     prompts = PROMPTS[:4]
