@@ -65,7 +65,7 @@ from torchtpu.bucketing import BucketPolicy
 
 from .kv_pages import SCRATCH_PAGE, PageAllocator, PagedCache, PrefixCache, _kv_shape, kv_bytes_per_token
 from .policy import is_hf_model
-from .rollout import PauseGate, RolloutBatch, SamplingParams
+from .rollout import ROLLOUT_QUANTIZATION, PauseGate, RolloutBatch, RolloutEngine, SamplingParams
 
 __all__ = ["RequestOutput", "SampleOutput", "ServingEngine", "UPDATE_MODES", "sample_rows"]
 
@@ -312,7 +312,8 @@ class ServingEngine(PauseGate):
                  prefill_tokens_per_step: int = 2048, slot_buckets: Optional[BucketPolicy] = None,
                  token_buckets: Optional[BucketPolicy] = None, page_buckets: Optional[BucketPolicy] = None,
                  device="tpu", compile: Optional[bool] = None, seed: int = 0, policy_version: int = 0,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, quantization: Optional[str] = None, lora=None,
+                 dtype: Optional[torch.dtype] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"ServingEngine: model must be an nn.Module, not {type(model).__name__}")
         if not is_hf_model(model):
@@ -323,6 +324,9 @@ class ServingEngine(PauseGate):
         ok, why = kv_cache_support(model)
         if not ok:
             raise ValueError(f"ServingEngine: {model.config.model_type} cannot decode with a paged KV cache: {why}")
+        if quantization is not None and quantization not in ROLLOUT_QUANTIZATION:
+            raise ValueError(f"ServingEngine: quantization must be one of {sorted(ROLLOUT_QUANTIZATION)} or None, "
+                             f"not {quantization!r}")
         for name, v in (("max_slots", max_slots), ("page_size", page_size),
                         ("prefill_tokens_per_step", prefill_tokens_per_step)):
             if operator.index(v) < 1:
@@ -331,6 +335,27 @@ class ServingEngine(PauseGate):
             raise ValueError("ServingEngine: pass kv_pages or kv_bytes, not both")
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
+        # LoRA, rollout dtype and quantization as RolloutEngine has them (see its docstring)
+        self.lora = None
+        if lora is not None:
+            from .lora import AdapterMerger
+
+            self.lora = AdapterMerger(self.model, lora)  # copies the base weights as the learner has them
+        self._reference = None  # what updates hold, when the rollout's dtype is not the source's
+        if dtype is not None:
+            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError(f"ServingEngine: dtype must be a floating torch dtype, not {dtype!r}")
+            self._reference = {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+                               for k, v in self.model.state_dict().items()}
+            self.model = self.model.to(dtype=dtype)
+        self.quantization = quantization
+        self.quantized_layers: list = []
+        if quantization is not None:
+            import torchtpu.quantization
+
+            with torch.no_grad():
+                self.quantized_layers = torchtpu.quantization.quantize_(self.model, ROLLOUT_QUANTIZATION[quantization])
         use_grouped_attention(self.model)
         self.pad_id = operator.index(pad_id)
         cfg = model.config.get_text_config(decoder=True)
@@ -887,10 +912,20 @@ class ServingEngine(PauseGate):
             self.prefix.clear()
 
     def sync_reference(self) -> dict:
-        return self.model.state_dict()
+        """Name -> tensor (dtype, shape) of what a weight update must hold: the model's state dict (in the
+        learner's dtype when the rollout's differs), or with ``lora`` the adapter tensors."""
+        if self.lora is not None:
+            return self.lora.reference()
+        return self._reference if self._reference is not None else self.model.state_dict()
 
     def _check_update(self, state_dict) -> None:
-        ref = self.model.state_dict()
+        if self.lora is not None:
+            unknown = self.lora.unknown(state_dict)
+            if unknown is not None:
+                raise ValueError(f"ServingEngine: the update's {unknown!r} is not an adapter tensor of this "
+                                 f"engine's LoRA targets")
+            return
+        ref = self.sync_reference()
         for name, t in state_dict.items():
             if name not in ref:
                 raise KeyError(f"ServingEngine: the update's {name!r} is not a parameter or buffer of the model")
@@ -906,12 +941,20 @@ class ServingEngine(PauseGate):
         every name and shape; the prefix cache (keys/values of the old weights) is dropped."""
         from .weight_sync import install_state_dict
 
-        if strict:
+        if strict or self.lora is not None:
             self._check_update(state_dict)
         with torch.no_grad():
-            out = install_state_dict(self.model, state_dict, strict=strict)
+            if self.lora is not None:
+                state_dict, strict = self.lora.merged_weights(state_dict), False
+            if self.quantized_layers:
+                out = self._load_and_requantize(state_dict, strict)
+            else:
+                out = install_state_dict(self.model, state_dict, strict=strict)
         self.prefix.clear()
         return out
+
+    # the full-precision weights of the quantized layers quantized again: RolloutEngine's one path
+    _load_and_requantize = RolloutEngine._load_and_requantize
 
     def update_weights(self, state_dict, policy_version: Optional[int] = None, mode: str = "finish") -> dict:
         """Install new weights while requests may be in flight. ``mode``: ``"finish"`` (running sequences

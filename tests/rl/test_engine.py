@@ -458,6 +458,59 @@ def test_release_memory_frees_the_device_pools_and_resume_compiles_nothing():
     assert torch.equal(again.response_ids, first.response_ids)
 
 
+# ================================================================= quantized, LoRA and lower-precision policies
+def _small(seed=0):
+    return tiny_hf_causal_lm("qwen2", vocab_size=VOCAB, num_layers=1, seed=seed)
+
+
+@pytest.mark.parametrize("option", ["int8", "lora", "bfloat16"])
+def test_quantized_lora_and_dtype_policies_match_the_static_engine(option):
+    """The serving engine takes RolloutEngine's quantization / lora / dtype options: greedy tokens equal
+    the static engine's with the same option, before and after a weight update (re-quantized, adapters
+    merged, cast from the learner's float32)."""
+    if option == "int8":
+        pytest.importorskip("torchao")
+        kw = dict(quantization="int8")
+    elif option == "lora":
+        pytest.importorskip("peft")
+        from torchtpu_rl.lora import LoraSpec
+
+        kw = dict(lora=LoraSpec(rank=4, alpha=8, targets=("q_proj", "v_proj")))
+    else:
+        kw = dict(dtype=torch.bfloat16)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    prompts = PROMPTS[:4]
+    dev = "tpu" if option == "int8" else "cpu"
+    eng = ServingEngine(_small(), 0, device=dev, compile=False, max_slots=4, page_size=4, **kw)
+    ref = RolloutEngine(_small(), 0, device=dev, compile=False, **STATIC, **kw)
+    if option == "int8":
+        assert len(eng.quantized_layers) == 7 and "lm_head" not in eng.quantized_layers
+    tol = 1e-2 if option == "bfloat16" else 1e-4
+    for version in (0, 1):
+        out, want = eng.generate(prompts, params), ref.generate(prompts, params)
+        assert torch.equal(out.response_ids, want.response_ids)
+        torch.testing.assert_close(out.logprobs, want.logprobs, atol=tol, rtol=0)
+        if version == 0:
+            if option == "lora":
+                from torchtpu_rl.lora import adapter_state_dict
+
+                learner = kw["lora"].apply(_small())
+                with torch.no_grad():
+                    for name, prm in learner.named_parameters():
+                        if "lora_" in name:
+                            prm.copy_(torch.randn_like(prm) * 0.3)
+                update = adapter_state_dict(learner)
+                with pytest.raises(ValueError, match="is not an adapter tensor"):
+                    eng.update_weights({"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight":
+                                        torch.zeros(4, 32)})
+            else:
+                update = _small(seed=1).state_dict()
+                assert all(v.dtype == torch.float32 for v in eng.sync_reference().values())
+            eng.update_weights(update, policy_version=1)
+            ref.update_weights(update, policy_version=1)
+    assert out.policy_version.tolist() == [1] * len(prompts)
+
+
 # ================================================================= tpu: compiled programs, no steady-state compiles
 def test_compiled_on_tpu_matches_and_compiles_nothing_in_steady_state():
     prompts = PROMPTS[:4]
