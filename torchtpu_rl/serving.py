@@ -63,7 +63,7 @@ import torchtpu
 from torchtpu import bucketing
 from torchtpu.bucketing import BucketPolicy
 
-from .kv_pages import SCRATCH_PAGE, PageAllocator, PagedCache, PrefixCache, _kv_shape, kv_bytes_per_token
+from .kv_pages import SCRATCH_PAGE, PageAllocator, PagedCache, PrefixCache, _kv_shape, copy_slots, kv_bytes_per_token
 from .policy import is_hf_model
 from .rollout import ROLLOUT_QUANTIZATION, PauseGate, RolloutBatch, RolloutEngine, SamplingParams
 
@@ -380,6 +380,7 @@ class ServingEngine(PauseGate):
         self.token_buckets = token_buckets or BucketPolicy.pow2(
             min(16, self.prefill_tokens_per_step), self.prefill_tokens_per_step, name="prefill_tokens")
         self.page_buckets = page_buckets or BucketPolicy.pow2(1, max(1, self.max_pages_per_seq), name="pages")
+        self.copy_buckets = BucketPolicy.pow2(1, 2 * self.max_slots, name="pages_copied")
         for name, p in (("slot_buckets", self.slot_buckets), ("token_buckets", self.token_buckets),
                         ("page_buckets", self.page_buckets)):
             if not isinstance(p, BucketPolicy):
@@ -633,6 +634,7 @@ class ServingEngine(PauseGate):
         budget = self.prefill_tokens_per_step
         chunks = []  # (seq, start, end)
         forks = {}  # leader -> [followers]
+        copies = []  # (cached page, own page): prompts seen whole before, copied before the prefill
         prefilling = [s for s in self._running if s.computed < len(s.tokens) - 1]
         for s in prefilling:  # prompts whose prefill continues
             if budget <= 0:
@@ -673,7 +675,7 @@ class ServingEngine(PauseGate):
                 tail = self.prefix.lookup_tail(s.tokens, full) if len(s.pages) == full else None
                 own = self._alloc() if tail is not None else None
                 if own is not None:  # the whole prompt was seen: copy its last block, recompute one token
-                    self.cache.copy_pages([tail], [own])
+                    copies.append((tail, own))
                     s.pages.append(own)
                     self._c["tail_hit_tokens"] += len(s.tokens) - 1 - s.computed
                     s.computed = len(s.tokens) - 1
@@ -687,6 +689,7 @@ class ServingEngine(PauseGate):
             chunks.append((s, s.computed, end))
             budget -= end - s.computed
         if chunks:
+            self._copy(copies)
             self._prefill(chunks, forks)
             progressed = True
         # ---- decode every running sequence with its prompt in the cache
@@ -713,7 +716,7 @@ class ServingEngine(PauseGate):
 
     # ------------------------------------------------------------ device steps
     def _fn(self, kind):
-        fn = {"decode": _decode_program, "prefill": _forward_logits, "sample": _sample_program}[kind]
+        fn = {"decode": _decode_program, "prefill": _forward_logits, "sample": _sample_program, "copy": copy_slots}[kind]
         if not self.compile:
             return fn
         c = self._compiled.get(kind)
@@ -727,6 +730,16 @@ class ServingEngine(PauseGate):
 
             self._compiled[kind] = c
         return c
+
+    def _copy(self, pairs) -> None:
+        """Copy pages (src, dst) in every layer: one program per bucketed page count (an eager copy would
+        rewrite every layer's whole pool per page)."""
+        while pairs:
+            n = self.copy_buckets.bucket(min(len(pairs), self.copy_buckets.largest))
+            head, pairs = pairs[:n], pairs[n:]
+            slots = self.cache.page_slots([a for a, _ in head], [b for _, b in head], n)
+            with bucketing.bucket_scope(pages_copied=n):
+                self._fn("copy")(self.cache, slots.to(self.device))
 
     def _pack(self, seqs, B, tokens, write, pages):
         """``ints``/``floats`` of a step (layout above ``_masks``): ``tokens`` (B, 2T) token ids and positions,
@@ -783,7 +796,7 @@ class ServingEngine(PauseGate):
         d = self.device
         with bucketing.bucket_scope(slots=B, tokens=T, pages=nP):
             logits = self._fn("prefill")(self.model, self.cache, ints.to(d), T, nP, *self._static())
-        draws, rows = [], []
+        draws, rows, copies = [], [], []
         for i, (s, b, e) in enumerate(chunks):
             if e < len(s.tokens):
                 continue  # more chunks to come
@@ -797,9 +810,7 @@ class ServingEngine(PauseGate):
                         self.pages.incref(p)
                     f.pages = s.pages[:full] + f.pages  # f.pages: its own copy of the partial page, if any
                     f.computed = len(f.tokens)
-                partial = [f for f in followers if len(f.tokens) % self.page_size]
-                if partial:
-                    self.cache.copy_pages([s.pages[full]] * len(partial), [f.pages[full] for f in partial])
+                copies += [(s.pages[full], f.pages[full]) for f in followers if len(f.tokens) % self.page_size]
                 self._c["forked"] += len(followers)
                 draws.extend(followers)
                 rows.extend([i] * len(followers))
@@ -808,8 +819,9 @@ class ServingEngine(PauseGate):
                 if self.prefix.lookup_tail(s.tokens, (len(s.tokens) - 1) // self.page_size) is None:
                     p = self.pages.alloc()  # only a free page: never evict for this
                     if p is not None:
-                        self.cache.copy_pages([s.pages[(len(s.tokens) - 1) // self.page_size]], [p])
+                        copies.append((s.pages[(len(s.tokens) - 1) // self.page_size], p))
                         self.prefix.insert_tail(s.tokens, p)
+        self._copy(copies)
         if not draws:
             return
         Bs = self.slot_buckets.bucket(len(draws))
