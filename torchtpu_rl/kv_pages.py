@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-__all__ = ["PageAllocator", "PagedCache", "PrefixCache", "kv_bytes_per_token"]
+__all__ = ["PageAllocator", "PagedCache", "PrefixCache", "copy_slots", "kv_bytes_per_token"]
 
 SCRATCH_PAGE = 0
 
@@ -244,6 +244,7 @@ class PagedCache(Cache):
         self.layer_types = layer_types
         self.write_index = torch.zeros(1, dtype=torch.int64, device=device)
         self.read_index = torch.zeros((1, page_size), dtype=torch.int64, device=device)
+        self._pool_shape, self._dtype, self._device = shape, dtype, device
         layers = [_PagedLayer(torch.zeros(shape, dtype=dtype, device=device),
                               torch.zeros(shape, dtype=dtype, device=device), self,
                               kind == "sliding_attention", i)
@@ -251,19 +252,50 @@ class PagedCache(Cache):
         super().__init__(layers=layers)
         self.nbytes = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers)
 
+    @property
+    def allocated(self) -> bool:
+        return self.layers[0].keys is not None
+
+    def release(self) -> int:
+        """Drop every layer's page pools (their device memory goes back to the allocator once nothing
+        else holds them); returns the bytes dropped. :meth:`allocate` makes fresh (zeroed) ones."""
+        if not self.allocated:
+            return 0
+        for layer in self.layers:
+            layer.keys = layer.values = None
+        return self.nbytes
+
+    def allocate(self) -> None:
+        """Fresh zeroed pools of the original shape, dtype and device (after :meth:`release`)."""
+        if self.allocated:
+            return
+        for layer in self.layers:
+            layer.keys = torch.zeros(self._pool_shape, dtype=self._dtype, device=self._device)
+            layer.values = torch.zeros(self._pool_shape, dtype=self._dtype, device=self._device)
+
     def set_indices(self, write_index, read_index) -> None:
         self.write_index, self.read_index = write_index, read_index
 
+    def page_slots(self, src, dst, pages: Optional[int] = None) -> torch.Tensor:
+        """(2, pages * page_size) host int64: the slots of pages ``src`` (row 0) and ``dst`` (row 1), padded
+        to ``pages`` pages with scratch -> scratch (a copy that changes nothing), for :func:`copy_slots`."""
+        pages = len(src) if pages is None else pages
+        if len(src) != len(dst) or len(src) > pages:
+            raise ValueError(f"PagedCache.page_slots: {len(src)} sources, {len(dst)} destinations, {pages} pages")
+        pad = [SCRATCH_PAGE] * (pages - len(src))
+        ids = torch.tensor([list(src) + pad, list(dst) + pad], dtype=torch.int64)
+        return (ids[:, :, None] * self.page_size + torch.arange(self.page_size)).reshape(2, -1)
+
     def copy_pages(self, src, dst) -> None:
         """Copy whole pages ``src`` -> ``dst`` (lists of page ids) in every layer: the copy-on-write of a
-        shared partial page."""
-        if not src:
-            return
-        ps = self.page_size
-        dev = self.layers[0].keys.device
-        off = torch.arange(ps)
-        s = (torch.tensor(src)[:, None] * ps + off).reshape(-1).to(dev)
-        d = (torch.tensor(dst)[:, None] * ps + off).reshape(-1).to(dev)
-        for layer in self.layers:
-            layer.keys.index_copy_(0, d, layer.keys.index_select(0, s))
-            layer.values.index_copy_(0, d, layer.values.index_select(0, s))
+        shared partial page (eagerly; the engine runs :func:`copy_slots` as one program)."""
+        if src:
+            copy_slots(self, self.page_slots(src, dst).to(self.layers[0].keys.device))
+
+
+def copy_slots(cache: PagedCache, slots) -> None:
+    """Copy KV slot ``slots[0, i]`` to ``slots[1, i]`` in every layer of ``cache`` (all sources read before
+    any destination is written; no slot may be both)."""
+    for layer in cache.layers:
+        layer.keys.index_copy_(0, slots[1], layer.keys.index_select(0, slots[0]))
+        layer.values.index_copy_(0, slots[1], layer.values.index_select(0, slots[0]))

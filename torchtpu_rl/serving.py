@@ -63,9 +63,9 @@ import torchtpu
 from torchtpu import bucketing
 from torchtpu.bucketing import BucketPolicy
 
-from .kv_pages import SCRATCH_PAGE, PageAllocator, PagedCache, PrefixCache, _kv_shape, kv_bytes_per_token
+from .kv_pages import SCRATCH_PAGE, PageAllocator, PagedCache, PrefixCache, _kv_shape, copy_slots, kv_bytes_per_token
 from .policy import is_hf_model
-from .rollout import PauseGate, RolloutBatch, SamplingParams
+from .rollout import ROLLOUT_QUANTIZATION, PauseGate, RolloutBatch, RolloutEngine, SamplingParams
 
 __all__ = ["RequestOutput", "SampleOutput", "ServingEngine", "UPDATE_MODES", "sample_rows"]
 
@@ -312,7 +312,8 @@ class ServingEngine(PauseGate):
                  prefill_tokens_per_step: int = 2048, slot_buckets: Optional[BucketPolicy] = None,
                  token_buckets: Optional[BucketPolicy] = None, page_buckets: Optional[BucketPolicy] = None,
                  device="tpu", compile: Optional[bool] = None, seed: int = 0, policy_version: int = 0,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, quantization: Optional[str] = None, lora=None,
+                 dtype: Optional[torch.dtype] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"ServingEngine: model must be an nn.Module, not {type(model).__name__}")
         if not is_hf_model(model):
@@ -323,6 +324,9 @@ class ServingEngine(PauseGate):
         ok, why = kv_cache_support(model)
         if not ok:
             raise ValueError(f"ServingEngine: {model.config.model_type} cannot decode with a paged KV cache: {why}")
+        if quantization is not None and quantization not in ROLLOUT_QUANTIZATION:
+            raise ValueError(f"ServingEngine: quantization must be one of {sorted(ROLLOUT_QUANTIZATION)} or None, "
+                             f"not {quantization!r}")
         for name, v in (("max_slots", max_slots), ("page_size", page_size),
                         ("prefill_tokens_per_step", prefill_tokens_per_step)):
             if operator.index(v) < 1:
@@ -331,6 +335,27 @@ class ServingEngine(PauseGate):
             raise ValueError("ServingEngine: pass kv_pages or kv_bytes, not both")
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
+        # LoRA, rollout dtype and quantization as RolloutEngine has them (see its docstring)
+        self.lora = None
+        if lora is not None:
+            from .lora import AdapterMerger
+
+            self.lora = AdapterMerger(self.model, lora)  # copies the base weights as the learner has them
+        self._reference = None  # what updates hold, when the rollout's dtype is not the source's
+        if dtype is not None:
+            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise ValueError(f"ServingEngine: dtype must be a floating torch dtype, not {dtype!r}")
+            self._reference = {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+                               for k, v in self.model.state_dict().items()}
+            self.model = self.model.to(dtype=dtype)
+        self.quantization = quantization
+        self.quantized_layers: list = []
+        if quantization is not None:
+            import torchtpu.quantization
+
+            with torch.no_grad():
+                self.quantized_layers = torchtpu.quantization.quantize_(self.model, ROLLOUT_QUANTIZATION[quantization])
         use_grouped_attention(self.model)
         self.pad_id = operator.index(pad_id)
         cfg = model.config.get_text_config(decoder=True)
@@ -355,6 +380,7 @@ class ServingEngine(PauseGate):
         self.token_buckets = token_buckets or BucketPolicy.pow2(
             min(16, self.prefill_tokens_per_step), self.prefill_tokens_per_step, name="prefill_tokens")
         self.page_buckets = page_buckets or BucketPolicy.pow2(1, max(1, self.max_pages_per_seq), name="pages")
+        self.copy_buckets = BucketPolicy.pow2(1, 2 * self.max_slots, name="pages_copied")
         for name, p in (("slot_buckets", self.slot_buckets), ("token_buckets", self.token_buckets),
                         ("page_buckets", self.page_buckets)):
             if not isinstance(p, BucketPolicy):
@@ -492,6 +518,9 @@ class ServingEngine(PauseGate):
             raise ValueError("ServingEngine.generate: prompts must be a non-empty list of token-id lists")
         if self._paused_by is not None and self._paused_by == threading.get_ident():
             raise RuntimeError("ServingEngine.generate called while this thread holds pause(); call resume()")
+        if self.memory_released:
+            raise RuntimeError("ServingEngine.generate: the KV memory is released (release_memory()); call "
+                               "resume_memory() first")
         groups: dict = {}
         for i, p in enumerate(prompts):
             key = tuple(p.tolist() if isinstance(p, torch.Tensor) else p)
@@ -595,6 +624,9 @@ class ServingEngine(PauseGate):
         self._c["preemptions"] += 1
 
     def _step(self) -> None:
+        if self.memory_released:
+            raise RuntimeError("ServingEngine: the KV memory is released (release_memory()); call "
+                               "resume_memory() before generating")
         self._service_update()
         progressed = False
         draining = self._draining is not None
@@ -602,6 +634,7 @@ class ServingEngine(PauseGate):
         budget = self.prefill_tokens_per_step
         chunks = []  # (seq, start, end)
         forks = {}  # leader -> [followers]
+        copies = []  # (cached page, own page): prompts seen whole before, copied before the prefill
         prefilling = [s for s in self._running if s.computed < len(s.tokens) - 1]
         for s in prefilling:  # prompts whose prefill continues
             if budget <= 0:
@@ -642,7 +675,7 @@ class ServingEngine(PauseGate):
                 tail = self.prefix.lookup_tail(s.tokens, full) if len(s.pages) == full else None
                 own = self._alloc() if tail is not None else None
                 if own is not None:  # the whole prompt was seen: copy its last block, recompute one token
-                    self.cache.copy_pages([tail], [own])
+                    copies.append((tail, own))
                     s.pages.append(own)
                     self._c["tail_hit_tokens"] += len(s.tokens) - 1 - s.computed
                     s.computed = len(s.tokens) - 1
@@ -656,6 +689,7 @@ class ServingEngine(PauseGate):
             chunks.append((s, s.computed, end))
             budget -= end - s.computed
         if chunks:
+            self._copy(copies)
             self._prefill(chunks, forks)
             progressed = True
         # ---- decode every running sequence with its prompt in the cache
@@ -682,7 +716,7 @@ class ServingEngine(PauseGate):
 
     # ------------------------------------------------------------ device steps
     def _fn(self, kind):
-        fn = {"decode": _decode_program, "prefill": _forward_logits, "sample": _sample_program}[kind]
+        fn = {"decode": _decode_program, "prefill": _forward_logits, "sample": _sample_program, "copy": copy_slots}[kind]
         if not self.compile:
             return fn
         c = self._compiled.get(kind)
@@ -696,6 +730,16 @@ class ServingEngine(PauseGate):
 
             self._compiled[kind] = c
         return c
+
+    def _copy(self, pairs) -> None:
+        """Copy pages (src, dst) in every layer: one program per bucketed page count (an eager copy would
+        rewrite every layer's whole pool per page)."""
+        while pairs:
+            n = self.copy_buckets.bucket(min(len(pairs), self.copy_buckets.largest))
+            head, pairs = pairs[:n], pairs[n:]
+            slots = self.cache.page_slots([a for a, _ in head], [b for _, b in head], n)
+            with bucketing.bucket_scope(pages_copied=n):
+                self._fn("copy")(self.cache, slots.to(self.device))
 
     def _pack(self, seqs, B, tokens, write, pages):
         """``ints``/``floats`` of a step (layout above ``_masks``): ``tokens`` (B, 2T) token ids and positions,
@@ -752,7 +796,7 @@ class ServingEngine(PauseGate):
         d = self.device
         with bucketing.bucket_scope(slots=B, tokens=T, pages=nP):
             logits = self._fn("prefill")(self.model, self.cache, ints.to(d), T, nP, *self._static())
-        draws, rows = [], []
+        draws, rows, copies = [], [], []
         for i, (s, b, e) in enumerate(chunks):
             if e < len(s.tokens):
                 continue  # more chunks to come
@@ -766,9 +810,7 @@ class ServingEngine(PauseGate):
                         self.pages.incref(p)
                     f.pages = s.pages[:full] + f.pages  # f.pages: its own copy of the partial page, if any
                     f.computed = len(f.tokens)
-                partial = [f for f in followers if len(f.tokens) % self.page_size]
-                if partial:
-                    self.cache.copy_pages([s.pages[full]] * len(partial), [f.pages[full] for f in partial])
+                copies += [(s.pages[full], f.pages[full]) for f in followers if len(f.tokens) % self.page_size]
                 self._c["forked"] += len(followers)
                 draws.extend(followers)
                 rows.extend([i] * len(followers))
@@ -777,8 +819,9 @@ class ServingEngine(PauseGate):
                 if self.prefix.lookup_tail(s.tokens, (len(s.tokens) - 1) // self.page_size) is None:
                     p = self.pages.alloc()  # only a free page: never evict for this
                     if p is not None:
-                        self.cache.copy_pages([s.pages[(len(s.tokens) - 1) // self.page_size]], [p])
+                        copies.append((s.pages[(len(s.tokens) - 1) // self.page_size], p))
                         self.prefix.insert_tail(s.tokens, p)
+        self._copy(copies)
         if not draws:
             return
         Bs = self.slot_buckets.bucket(len(draws))
@@ -843,6 +886,37 @@ class ServingEngine(PauseGate):
                 [SampleOutput(q.tokens[P:], q.logprobs, q.versions, q.finish) for q in req.seqs],
                 req.params.temperature, self.pad_id))
 
+    # ------------------------------------------------------------ colocated mode: memory
+    @property
+    def memory_released(self) -> bool:
+        """True between :meth:`release_memory` and :meth:`resume_memory`."""
+        return not self.cache.allocated
+
+    def release_memory(self) -> int:
+        """Free the KV page pools on the device while a colocated learner trains (verl's hybrid engine,
+        vLLM's sleep): running sequences are preempted (requeued with the tokens they have, to be
+        recomputed after :meth:`resume_memory`), the prefix cache is dropped and the pools are let go.
+        Steps refuse to run until :meth:`resume_memory`; requests may still be submitted. The model's
+        weights stay where they are (colocated, they are the learner's). Returns the bytes freed."""
+        with self._lock:
+            if self.memory_released:
+                raise RuntimeError("ServingEngine.release_memory: the KV memory is already released; call "
+                                   "resume_memory() first")
+            for s in sorted(self._running, key=lambda q: -q.order):
+                self._preempt(s)
+            self.prefix.clear()
+            if self.pages.used:
+                raise RuntimeError(f"ServingEngine.release_memory: {self.pages.used} KV pages are still held")
+            return self.cache.release()
+
+    def resume_memory(self) -> None:
+        """Allocate the KV page pools again (zeroed; the same shapes, so no program is rebuilt) after
+        :meth:`release_memory`; waiting and preempted sequences continue at the next step."""
+        with self._lock:
+            if not self.memory_released:
+                raise RuntimeError("ServingEngine.resume_memory: the KV memory is not released")
+            self.cache.allocate()
+
     # ------------------------------------------------------------ weights
     def drop_cache(self) -> None:
         """Forget the prefix cache (its pages go back to the pool)."""
@@ -850,10 +924,20 @@ class ServingEngine(PauseGate):
             self.prefix.clear()
 
     def sync_reference(self) -> dict:
-        return self.model.state_dict()
+        """Name -> tensor (dtype, shape) of what a weight update must hold: the model's state dict (in the
+        learner's dtype when the rollout's differs), or with ``lora`` the adapter tensors."""
+        if self.lora is not None:
+            return self.lora.reference()
+        return self._reference if self._reference is not None else self.model.state_dict()
 
     def _check_update(self, state_dict) -> None:
-        ref = self.model.state_dict()
+        if self.lora is not None:
+            unknown = self.lora.unknown(state_dict)
+            if unknown is not None:
+                raise ValueError(f"ServingEngine: the update's {unknown!r} is not an adapter tensor of this "
+                                 f"engine's LoRA targets")
+            return
+        ref = self.sync_reference()
         for name, t in state_dict.items():
             if name not in ref:
                 raise KeyError(f"ServingEngine: the update's {name!r} is not a parameter or buffer of the model")
@@ -869,12 +953,20 @@ class ServingEngine(PauseGate):
         every name and shape; the prefix cache (keys/values of the old weights) is dropped."""
         from .weight_sync import install_state_dict
 
-        if strict:
+        if strict or self.lora is not None:
             self._check_update(state_dict)
         with torch.no_grad():
-            out = install_state_dict(self.model, state_dict, strict=strict)
+            if self.lora is not None:
+                state_dict, strict = self.lora.merged_weights(state_dict), False
+            if self.quantized_layers:
+                out = self._load_and_requantize(state_dict, strict)
+            else:
+                out = install_state_dict(self.model, state_dict, strict=strict)
         self.prefix.clear()
         return out
+
+    # the full-precision weights of the quantized layers quantized again: RolloutEngine's one path
+    _load_and_requantize = RolloutEngine._load_and_requantize
 
     def update_weights(self, state_dict, policy_version: Optional[int] = None, mode: str = "finish") -> dict:
         """Install new weights while requests may be in flight. ``mode``: ``"finish"`` (running sequences

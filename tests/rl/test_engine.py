@@ -402,6 +402,115 @@ def test_abort_mid_stream_frees_pages():
     assert eng.pages.used == 0
 
 
+# ================================================================= colocated mode: KV memory released and taken back
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_release_memory_mid_stream_then_resume_gives_the_same_tokens(temperature):
+    """Released mid-stream (a colocated learner takes the device), the running sequences are requeued
+    with their tokens, nothing steps until resume_memory(), and after it every request gets the tokens
+    of an uninterrupted run."""
+    params = SamplingParams(max_new_tokens=9, temperature=temperature)
+    ref = _engine(max_slots=4, page_size=4)
+    for i, p in enumerate(PROMPTS):
+        ref.submit(p, params, request_id=f"r{i}", seed=3)
+    want = {o.request_id: o.samples[0].tokens for o in ref.stream()}
+
+    eng = _engine(max_slots=4, page_size=4)
+    for i, p in enumerate(PROMPTS):
+        eng.submit(p, params, request_id=f"r{i}", seed=3)
+    for _ in range(4):
+        eng.step()
+    assert eng.pages.used > 0
+    freed = eng.release_memory()
+    assert freed == eng.cache.nbytes > 0 and eng.memory_released
+    assert eng.pages.used == 0 and not eng._running and len(eng.prefix) == 0
+    eng.submit([9, 9, 9], params, request_id="late", seed=3)  # queueing is allowed while released
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        eng.step()
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        eng.generate([[1, 2]], params)
+    with pytest.raises(RuntimeError, match="already released"):
+        eng.release_memory()
+    eng.resume_memory()
+    with pytest.raises(RuntimeError, match="not released"):
+        eng.resume_memory()
+    got = {o.request_id: o.samples[0].tokens for o in eng.stream()}
+    assert {k: v for k, v in got.items() if k != "late"} == want
+    assert len(got["late"]) == 9
+
+
+def test_release_memory_frees_the_device_pools_and_resume_compiles_nothing():
+    """On tpu the pools' bytes leave the device's allocated memory, a weight update still goes in while
+    released, and the programs built before serve the re-allocated pools (no compile)."""
+    prompts = PROMPTS[:4]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    eng = _engine(device="tpu", compile=True, max_slots=4, page_size=8, kv_pages=64,
+                  slot_buckets=BucketPolicy.explicit([4]), page_buckets=BucketPolicy.explicit([2]),
+                  token_buckets=BucketPolicy.explicit([8]))
+    first = eng.generate(prompts, params)
+    before = torch.tpu.memory_allocated()
+    freed = eng.release_memory()
+    assert before - torch.tpu.memory_allocated() >= freed == eng.cache.nbytes
+    eng.update_weights(eng.model.state_dict(), mode="finish")  # a weight sync while the learner holds the device
+    eng.resume_memory()
+    assert torch.tpu.memory_allocated() - (before - freed) >= freed
+    again = eng.generate(prompts, params)
+    assert eng.last_stats["compiles"] == 0
+    assert torch.equal(again.response_ids, first.response_ids)
+
+
+# ================================================================= quantized, LoRA and lower-precision policies
+def _small(seed=0):
+    return tiny_hf_causal_lm("qwen2", vocab_size=VOCAB, num_layers=1, seed=seed)
+
+
+@pytest.mark.parametrize("option", ["int8", "lora", "bfloat16"])
+def test_quantized_lora_and_dtype_policies_match_the_static_engine(option):
+    """The serving engine takes RolloutEngine's quantization / lora / dtype options: greedy tokens equal
+    the static engine's with the same option, before and after a weight update (re-quantized, adapters
+    merged, cast from the learner's float32)."""
+    if option == "int8":
+        pytest.importorskip("torchao")
+        kw = dict(quantization="int8")
+    elif option == "lora":
+        pytest.importorskip("peft")
+        from torchtpu_rl.lora import LoraSpec
+
+        kw = dict(lora=LoraSpec(rank=4, alpha=8, targets=("q_proj", "v_proj")))
+    else:
+        kw = dict(dtype=torch.bfloat16)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    prompts = PROMPTS[:4]
+    dev = "tpu" if option == "int8" else "cpu"
+    eng = ServingEngine(_small(), 0, device=dev, compile=False, max_slots=4, page_size=4, **kw)
+    ref = RolloutEngine(_small(), 0, device=dev, compile=False, **STATIC, **kw)
+    if option == "int8":
+        assert len(eng.quantized_layers) == 7 and "lm_head" not in eng.quantized_layers
+    tol = 1e-2 if option == "bfloat16" else 1e-4
+    for version in (0, 1):
+        out, want = eng.generate(prompts, params), ref.generate(prompts, params)
+        assert torch.equal(out.response_ids, want.response_ids)
+        torch.testing.assert_close(out.logprobs, want.logprobs, atol=tol, rtol=0)
+        if version == 0:
+            if option == "lora":
+                from torchtpu_rl.lora import adapter_state_dict
+
+                learner = kw["lora"].apply(_small())
+                with torch.no_grad():
+                    for name, prm in learner.named_parameters():
+                        if "lora_" in name:
+                            prm.copy_(torch.randn_like(prm) * 0.3)
+                update = adapter_state_dict(learner)
+                with pytest.raises(ValueError, match="is not an adapter tensor"):
+                    eng.update_weights({"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight":
+                                        torch.zeros(4, 32)})
+            else:
+                update = _small(seed=1).state_dict()
+                assert all(v.dtype == torch.float32 for v in eng.sync_reference().values())
+            eng.update_weights(update, policy_version=1)
+            ref.update_weights(update, policy_version=1)
+    assert out.policy_version.tolist() == [1] * len(prompts)
+
+
 # ================================================================= tpu: compiled programs, no steady-state compiles
 def test_compiled_on_tpu_matches_and_compiles_nothing_in_steady_state():
     prompts = PROMPTS[:4]
