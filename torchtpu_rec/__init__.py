@@ -17,7 +17,7 @@ _requirements.check()  # torchrec / FBGEMM missing or mismatched: one ImportErro
 
 import torchtpu  # noqa: E402,F401  (registers the tpu device)
 from torchtpu.dispatch import install as _install  # noqa: E402
-from torchtpu.ops import jagged as _jagged  # noqa: E402,F401  (fbgemm's jagged/KJT ops on tpu)
+from torchtpu import jagged as _jagged  # noqa: E402,F401  (fbgemm's jagged/KJT ops on tpu)
 
 _install.install()  # the kernels of the fbgemm ops just added to the lowering table
 

@@ -1,6 +1,6 @@
 """HSTU (Zhai et al., "Actions Speak Louder than Words", 2024): a generative recommender over jagged
 user-history sequences, in plain PyTorch with fbgemm's jagged ops, so the same module runs on CPU and
-on tpu (where those ops are XLA programs, ``torchtpu/ops/jagged.py``).
+on tpu (where those ops are XLA programs, ``torchtpu/jagged.py``).
 
 One HSTU block on jagged rows ``x`` ([total_L, D], one sequence per user, ``offsets``)::
 

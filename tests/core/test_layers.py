@@ -27,6 +27,7 @@ TORCHTPU_LAYERS = {
     "torchtpu.distributed": 4,
     "torchtpu.profiler": 4,
     "torchtpu.quantization": 4,
+    "torchtpu.jagged": 4,  # fbgemm's jagged ops, installed by torchtpu_rec (imports fbgemm_gpu)
     "torchtpu.compile": 5,
     "torchtpu": 6,  # __init__ wires the layers together
 }

@@ -1,4 +1,4 @@
-"""fbgemm's jagged and KJT ops on tpu (torchtpu/ops/jagged.py) against fbgemm on CPU: values and
+"""fbgemm's jagged and KJT ops on tpu (torchtpu/jagged.py) against fbgemm on CPU: values and
 gradients, the jagged total length bucketed (one program per bucket), bad offsets named, and no
 CPU fallback."""
 
@@ -9,7 +9,7 @@ import torchtpu
 import torchtpu_rec  # noqa: F401  (installs the fbgemm kernels)
 from torchtpu import metrics
 from torchtpu.bucketing import BucketPolicy
-from torchtpu.ops import jagged
+from torchtpu import jagged
 
 fb = torch.ops.fbgemm
 TPU = "tpu"

@@ -92,9 +92,9 @@ def test_engine_options_from_a_config_file_and_their_defaults(run_inputs, tmp_pa
 
 
 def test_an_option_the_engine_lacks_is_refused_naming_it():
-    with pytest.raises(ValueError, match=r"the serving rollout engine \(ServingEngine\) does not take lora, "
-                                         "quantization; it takes .*max_slots"):
-        workers.rollout_engine({"engine": "serving", "quantization": "int8", "lora": object()})
+    with pytest.raises(ValueError, match=r"the serving rollout engine \(ServingEngine\) does not take batch_buckets, "
+                                         "use_kv_cache; it takes .*max_slots"):
+        workers.rollout_engine({"engine": "serving", "use_kv_cache": False, "batch_buckets": (8,)})
     with pytest.raises(ValueError, match=r"rollout engine must be one of \('static', 'serving'\), not 'vllm'"):
         workers.rollout_engine({"engine": "vllm"})
 

@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import torch
 import torch.nn.functional as F
 
-from ..bucketing import BucketPolicy
-from ..dispatch.kernel import Kernel
-from ..dispatch.lowering import Lowering, impl, lower
-from ..runtime.checks import check_index
+from .bucketing import BucketPolicy
+from .dispatch.kernel import Kernel
+from .dispatch.lowering import Lowering, impl, lower
+from .runtime.checks import check_index
 
 fbgemm = torch.ops.fbgemm
 _I64 = jnp.int64
