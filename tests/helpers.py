@@ -1,6 +1,7 @@
 """Helpers shared by test modules (pytest puts tests/ on sys.path)."""
 
 import contextlib
+import time
 
 import torchtpu
 
@@ -176,3 +177,16 @@ def listening_sockets(pids) -> list:
                     addr = addr.ipv4_mapped
                 out.append((str(addr), int(hexport, 16)))
     return out
+
+
+def eventually(cond, timeout_s=60.0, what="condition"):
+    """Poll ``cond`` until it returns a true value (returned): Ray frees resources and reports deaths
+    asynchronously."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.2)

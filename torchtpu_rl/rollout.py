@@ -169,6 +169,36 @@ def _is_int_list(p):
 ROLLOUT_QUANTIZATION = {"int8": "int8_dynamic", "int8_weight_only": "int8_weight_only", "fp8": "fp8_weight_only"}
 
 
+def rollout_model(engine: str, model: nn.Module, device: torch.device, lora, dtype, quantization):
+    """The rollout copy of the policy, as both engines hold it: on ``device``; LoRA adapters merged
+    (an AdapterMerger, which copies the base weights as the learner has them); cast to ``dtype`` (the
+    source's shapes and dtypes kept as the reference updates are checked against); quantized. Returns
+    ``(model, merger or None, reference or None, quantized layers)``; errors name ``engine``."""
+    if quantization is not None and quantization not in ROLLOUT_QUANTIZATION:
+        raise ValueError(f"{engine}: quantization must be one of {sorted(ROLLOUT_QUANTIZATION)} or None, "
+                         f"not {quantization!r}")
+    model = model.to(device).eval()
+    merger = None
+    if lora is not None:
+        from .lora import AdapterMerger
+
+        merger = AdapterMerger(model, lora)
+    reference = None
+    if dtype is not None:
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"{engine}: dtype must be a floating torch dtype, not {dtype!r}")
+        reference = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in model.state_dict().items()}
+        model = model.to(dtype=dtype)
+    quantized: list = []
+    if quantization is not None:
+        import torchtpu.quantization
+
+        with torch.no_grad():
+            quantized = torchtpu.quantization.quantize_(model, ROLLOUT_QUANTIZATION[quantization])
+    return model, merger, reference, quantized
+
+
 class PauseGate:
     """The weight-swap protocol's pause/resume, shared by the rollout engines: ``pause`` takes the engine's
     generate lock (``self._lock``) and records the pausing thread (``self._paused_by``), so in-flight
@@ -219,31 +249,10 @@ class RolloutEngine(PauseGate):
                  lora=None, dtype: Optional[torch.dtype] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"RolloutEngine: model must be an nn.Module, not {type(model).__name__}")
-        if quantization is not None and quantization not in ROLLOUT_QUANTIZATION:
-            raise ValueError(f"RolloutEngine: quantization must be one of {sorted(ROLLOUT_QUANTIZATION)} or None, "
-                             f"not {quantization!r}")
         self.device = torch.device(device)
-        self.model = model.to(self.device).eval()
-        self.lora = None
-        if lora is not None:
-            from .lora import AdapterMerger
-
-            self.lora = AdapterMerger(self.model, lora)  # copies the base weights as the learner has them
-        self._reference = None  # what updates hold, when the rollout's dtype is not the source's
-        if dtype is not None:
-            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-                raise ValueError(f"RolloutEngine: dtype must be a floating torch dtype, not {dtype!r}")
-            self._reference = {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
-                               for k, v in self.model.state_dict().items()}
-            self.model = self.model.to(dtype=dtype)
+        self.model, self.lora, self._reference, self.quantized_layers = rollout_model(
+            "RolloutEngine", model, self.device, lora, dtype, quantization)
         self.quantization = quantization
-        self.quantized_layers: list = []
-        if quantization is not None:
-            import torchtpu.quantization
-
-            with torch.no_grad():
-                self.quantized_layers = torchtpu.quantization.quantize_(self.model, ROLLOUT_QUANTIZATION[quantization])
         self.pad_id = operator.index(pad_id)
         cfg = getattr(model, "config", None)
         self.max_seq_len = getattr(cfg, "max_seq_len", None) or getattr(cfg, "max_position_embeddings", None)

@@ -65,7 +65,7 @@ from torchtpu.bucketing import BucketPolicy
 
 from .kv_pages import SCRATCH_PAGE, PageAllocator, PagedCache, PrefixCache, _kv_shape, copy_slots, kv_bytes_per_token
 from .policy import is_hf_model
-from .rollout import ROLLOUT_QUANTIZATION, PauseGate, RolloutBatch, RolloutEngine, SamplingParams
+from .rollout import PauseGate, RolloutBatch, RolloutEngine, SamplingParams, rollout_model
 
 __all__ = ["RequestOutput", "SampleOutput", "ServingEngine", "UPDATE_MODES", "sample_rows"]
 
@@ -324,9 +324,6 @@ class ServingEngine(PauseGate):
         ok, why = kv_cache_support(model)
         if not ok:
             raise ValueError(f"ServingEngine: {model.config.model_type} cannot decode with a paged KV cache: {why}")
-        if quantization is not None and quantization not in ROLLOUT_QUANTIZATION:
-            raise ValueError(f"ServingEngine: quantization must be one of {sorted(ROLLOUT_QUANTIZATION)} or None, "
-                             f"not {quantization!r}")
         for name, v in (("max_slots", max_slots), ("page_size", page_size),
                         ("prefill_tokens_per_step", prefill_tokens_per_step)):
             if operator.index(v) < 1:
@@ -334,28 +331,10 @@ class ServingEngine(PauseGate):
         if kv_pages is not None and kv_bytes is not None:
             raise ValueError("ServingEngine: pass kv_pages or kv_bytes, not both")
         self.device = torch.device(device)
-        self.model = model.to(self.device).eval()
         # LoRA, rollout dtype and quantization as RolloutEngine has them (see its docstring)
-        self.lora = None
-        if lora is not None:
-            from .lora import AdapterMerger
-
-            self.lora = AdapterMerger(self.model, lora)  # copies the base weights as the learner has them
-        self._reference = None  # what updates hold, when the rollout's dtype is not the source's
-        if dtype is not None:
-            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-                raise ValueError(f"ServingEngine: dtype must be a floating torch dtype, not {dtype!r}")
-            self._reference = {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
-                               for k, v in self.model.state_dict().items()}
-            self.model = self.model.to(dtype=dtype)
+        self.model, self.lora, self._reference, self.quantized_layers = rollout_model(
+            "ServingEngine", model, self.device, lora, dtype, quantization)
         self.quantization = quantization
-        self.quantized_layers: list = []
-        if quantization is not None:
-            import torchtpu.quantization
-
-            with torch.no_grad():
-                self.quantized_layers = torchtpu.quantization.quantize_(self.model, ROLLOUT_QUANTIZATION[quantization])
         use_grouped_attention(self.model)
         self.pad_id = operator.index(pad_id)
         cfg = model.config.get_text_config(decoder=True)

@@ -17,24 +17,12 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import ray_integration as ri  # noqa: E402
-from helpers import listening_sockets  # noqa: E402
+from helpers import eventually as _eventually, listening_sockets  # noqa: E402
 from ray_integration import SliceSpec  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)  # generous: Ray startup on a loaded 2-core machine is slow
 
 PY = sys.executable
-
-
-def _eventually(cond, timeout_s=60.0, what="condition"):
-    """Ray frees resources and reports deaths asynchronously: poll."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.2)
 
 
 # --- discovery (no cluster) ---------------------------------------------------------------------

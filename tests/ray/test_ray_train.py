@@ -10,7 +10,6 @@ The host is a real node of the session's Ray head started with a v4-8 host's TPU
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -18,19 +17,12 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.train.torch")
 
 import ray_integration as ri  # noqa: E402
+from helpers import eventually as _eventually  # noqa: E402
 from ray_integration import SliceSpec  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
 COMPAT_ENV = {"TORCHTPU_TORCH_TPU_COMPAT": "1"}
-
-
-def _eventually(cond, timeout_s=60.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")

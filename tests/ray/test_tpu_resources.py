@@ -2,24 +2,16 @@
 with the TPU environment of a v4-8 host (``start_simulated_slice``), so Ray itself offers
 ``{"TPU": 4, "TPU-v4-8-head": 1}`` and sets each process's ``TPU_VISIBLE_CHIPS`` and bounds."""
 
-import time
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
 import ray_integration as ri  # noqa: E402
+from helpers import eventually as _eventually  # noqa: E402
 from ray_integration import SliceSpec  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def _eventually(cond, timeout_s=60.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
