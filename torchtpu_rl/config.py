@@ -24,6 +24,11 @@ import math
 import os
 from typing import Optional
 
+# the loss family's names (kept here, not imported from algorithms: this module imports no torch)
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "cispo")
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+SCALE_REWARDS = ("group", "batch", "none")
+
 __all__ = ["ConfigError", "LearnerConfig", "RolloutConfig", "RunConfig", "SyncConfig", "flag"]
 
 DEFAULT_MAX_PROMPT_TOKENS = 512
@@ -87,10 +92,14 @@ class RolloutConfig(_Checked):
     max_slots: Optional[int] = None  # serving engine sizes (None: derived)
     page_size: Optional[int] = None
     kv_pages: Optional[int] = None
+    # DAPO dynamic sampling: drop groups whose rewards are all equal, sample more prompts to fill the step
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4  # generation rounds per step at most (the first included)
 
     def __post_init__(self):
         self._ints(("prompts_per_step", "group_size", "max_new_tokens", "rollout_workers", "requests_per_worker"))
         self._ints(("max_prompt_tokens", "max_slots", "page_size", "kv_pages"), optional=True)
+        self._ints(("max_sampling_rounds",))
         self._float("temperature", lambda v: v > 0, "a finite number > 0 for training rollouts (evaluation is greedy)")
         self._float("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
         self._ints(("top_k",), low=0)
@@ -150,8 +159,10 @@ class LearnerConfig(_Checked):
     clip_eps_high: Optional[float] = None
     entropy_coef: float = 0.0
     weight_decay: float = 0.0
-    loss_agg: str = "token-mean"
-    scale_rewards: str = "group"
+    loss_agg: Optional[str] = None  # None: the --loss-type's (token-mean without one)
+    loss_type: Optional[str] = None  # None: --algo's GRPO / PPO loss with --loss-agg
+    scale_rewards: Optional[str] = None  # None: the --loss-type's (group without one)
+    pack_sequences: bool = False
     rollout_is: Optional[str] = None  # None: token-level with quantized rollouts, else off
     rollout_is_threshold: float = 2.0
     lora_rank: int = 0
@@ -172,22 +183,33 @@ class LearnerConfig(_Checked):
         self._float("clip_eps_high", lambda v: v > 0, "a finite number > 0", optional=True)
         self._float("entropy_coef", lambda v: True, "a finite number")
         self._float("weight_decay", lambda v: v >= 0, "a finite number >= 0")
-        self._choice("loss_agg", ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"))
-        self._choice("scale_rewards", ("group", "none"))
+        self._choice("loss_agg", (None,) + AGGREGATIONS)
+        self._choice("loss_type", (None,) + LOSS_TYPES)
+        self._choice("scale_rewards", (None,) + SCALE_REWARDS)
+        if self.loss_type is not None and self.algo != "grpo":
+            raise ConfigError(f"--loss-type {self.loss_type} is a critic-free group loss: give --algo grpo, not "
+                              f"--algo {self.algo}")
+        if self.pack_sequences and (self.algo != "grpo" or self.learner_processes > 1):
+            raise ConfigError(f"--pack-sequences packs the policy's forward of a single learner: not with --algo "
+                              f"{self.algo} or --learner-processes {self.learner_processes}")
         self._choice("rollout_is", (None, "token", "sequence", "none"))
         self._float("rollout_is_threshold", lambda v: v > 0, "> 0 (a finite number)")
         self._ints(("lora_rank",), low=0)
         self._float("lora_alpha", lambda v: v > 0, "a finite number > 0")
 
-    def learner_kwargs(self, group_size: int, seed: int, rollout_quantization: str = "none") -> dict:
+    def learner_kwargs(self, group_size: int, seed: int, rollout_quantization: str = "none",
+                       max_new_tokens: Optional[int] = None) -> dict:
         kw = dict(lr=self.lr, kl_coef=self.kl_coef, grad_clip=self.grad_clip or None, seed=seed,
                   ppo_epochs=self.ppo_epochs, mini_batch_size=self.mini_batch_size,
                   micro_batch_size=self.micro_batch_size, micro_batch_tokens=self.micro_batch_tokens,
                   gradient_checkpointing=bool(self.gradient_checkpointing), eps_low=self.clip_eps,
                   eps_high=self.clip_eps_high, entropy_coef=self.entropy_coef, weight_decay=self.weight_decay,
-                  loss_agg=self.loss_agg, param_dtype=self.dtype)
+                  loss_agg=self.loss_agg, param_dtype=self.dtype, loss_type=self.loss_type,
+                  scale_rewards=self.scale_rewards, pack_sequences=bool(self.pack_sequences))
         if self.algo == "grpo":
-            kw.update(group_size=group_size, grpo_normalize_std=self.scale_rewards == "group")
+            kw.update(group_size=group_size)
+        if max_new_tokens is not None:  # Dr. GRPO's constant divisor: the longest completion (as TRL)
+            kw["norm_length"] = max_new_tokens
         level = self.rollout_is or ("token" if rollout_quantization != "none" else "none")
         if level != "none":
             kw.update(tis_cap=self.rollout_is_threshold, tis_level=level)
@@ -267,6 +289,11 @@ class RunConfig(_Checked):
         ro, le, sy = self.rollout, self.learner, self.sync
         if le.algo == "grpo" and ro.group_size < 2:
             raise ConfigError("GRPO needs --group-size >= 2 (advantages are relative to the group)")
+        if ro.dynamic_sampling and le.algo != "grpo":
+            raise ConfigError(f"--dynamic-sampling drops prompt groups whose rewards are all equal: it needs --algo "
+                              f"grpo, not --algo {le.algo}")
+        if ro.dynamic_sampling and le.learner_processes > 1:
+            raise ConfigError("--dynamic-sampling is not built for a sharded learner (--learner-processes > 1)")
         if ro.engine == "serving":
             if ro.rollout_dtype and ro.rollout_dtype != le.dtype:
                 raise ConfigError(f"--rollout-dtype {ro.rollout_dtype}: the serving engine (--engine serving) "
@@ -297,7 +324,8 @@ class RunConfig(_Checked):
 
     def learner_kwargs(self) -> dict:
         """``learner.Learner``'s keyword arguments."""
-        return self.learner.learner_kwargs(self.rollout.group_size, self.seed, self.rollout.rollout_quantization)
+        return self.learner.learner_kwargs(self.rollout.group_size, self.seed, self.rollout.rollout_quantization,
+                                           self.rollout.max_new_tokens)
 
     def engine_kwargs(self) -> dict:
         """The rollout engine's keyword arguments (after :meth:`derive_from_model`)."""

@@ -45,6 +45,7 @@ import numpy as np
 
 from .config import RolloutConfig, SyncConfig
 from .data import PromptDataset
+from .dynamic_sampling import fill_informative
 from .protocol import EVAL_STREAM, LearnerDied, SamplingParams, StepRollouts, engine_stats, gather_results, split_groups
 from .recovery import LearnerRecovery
 from .scoring import RewardError, Scorer
@@ -66,7 +67,8 @@ class RLDriver:
                  reward_on_error: float = 0.0, max_reward_error_fraction: float = 0.5,
                  recovery_timeout_s: float = 120.0, tokenizer=None,
                  checkpoint_dir: Optional[str] = None, checkpoint_every: Optional[int] = None,
-                 checkpoint_interval_s: float = 600.0, keep_checkpoints: int = 2, sync_abort_s: float = 10.0):
+                 checkpoint_interval_s: float = 600.0, keep_checkpoints: int = 2, sync_abort_s: float = 10.0,
+                 dynamic_sampling: int = 0):
         # the options a run's config also has are checked by it (config.py); these are the driver's own
         SyncConfig(mode=mode, max_staleness=max_staleness, transport=transport)
         RolloutConfig(prompts_per_step=prompts_per_step, group_size=group_size, requests_per_worker=requests_per_worker)
@@ -99,6 +101,7 @@ class RLDriver:
         self.seed = int(seed)
         self.recovery_timeout_s = recovery_timeout_s
         self.tokenizer = tokenizer
+        self.dynamic_sampling = int(dynamic_sampling)  # DAPO: generation rounds per step at most (0: off)
         self.events: list = []  # faults, recoveries, reward errors
         self._messages_before = self.rollout.messages + self.learner.messages  # (the groups outlive a driver)
         self.sync = WeightSync(self.learner, self.rollout, transport=transport, collective_backend=collective_backend,
@@ -193,6 +196,19 @@ class RLDriver:
         return call_restartable(self.topo.reward_actor, "score", ps, rs, ms, timeout_s=self.recovery_timeout_s,
                                 on_death=reward_actor_died)
 
+    def _sample_more(self, n: int) -> tuple:
+        """A dynamic-sampling round: ``n`` new prompts generated now (current weights) and scored."""
+        items = self.dataset.take(n)
+        reqs = split_groups(items, min(n, len(self.rollout) * self.requests_per_worker), self.group_size,
+                            self.sampling, step=self.step_idx, first_id=self._next_request_id, seed=self.seed)
+        self._next_request_id += len(reqs)
+        sr = StepRollouts(self.step_idx, items, reqs, {}, self.rollout.map("generate", reqs))
+        self._collect(sr)
+        batch = gather_results([sr.results[r.request_id] for r in reqs])
+        rewards, _, _ = self.scorer.score_batch(items, batch, self.group_size, self.step_idx, self.dataset,
+                                                self.tokenizer)
+        return items, batch, rewards
+
     # ------------------------------------------------------------ the step
     def step(self) -> dict:
         """One training step; returns its metrics. A learner that dies is restarted from the last
@@ -236,6 +252,10 @@ class RLDriver:
         t_r0 = time.perf_counter()
         rewards, n_bad, reward_parts = self.scorer.score_batch(sr.items, batch, self.group_size, self.step_idx,
                                                                 self.dataset, self.tokenizer)
+        if self.dynamic_sampling:  # DAPO: all-equal groups out, new prompts in (dynamic_sampling.py)
+            _, batch, rewards, filled = fill_informative(sr.items, batch, rewards, self.group_size, len(sr.items),
+                                                         self._sample_more, self.dynamic_sampling)
+            self.last_batch, reward_parts = batch, {**reward_parts, **filled}
         t_rew = time.perf_counter() - t_r0
         versions = batch.policy_version.tolist()
         lv = self._learner_version()

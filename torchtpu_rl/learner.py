@@ -249,19 +249,26 @@ RANK_MEANS = ("clipfrac", "ratio_mean", "grad_norm")
 
 
 def _policy_micro_loss(policy, ids, am, rm, old, adv, w, ref, gtok, scale, temp, eps_low, eps_high, agg, kl_kind,
-                       kl_coef, kl_in_loss, entropy_coef):
-    """Loss of one micro-batch (forward included) and its detached parts; compiled as one program."""
+                       kl_coef, kl_in_loss, entropy_coef, ratio_level="token", pg_form="clip", norm_length=None,
+                       pack=None):
+    """Loss of one micro-batch (forward included) and its detached parts; compiled as one program.
+    ``pack``: the micro-batch's sequences packed into rows (:mod:`torchtpu_rl.packing`); the log-probs
+    come back in the padded layout, so the loss is the padded one's."""
     gt = gtok if agg == "token-mean" else None
-    logp, ent = sequence_logprobs(policy, ids, am, rm, temp, return_entropy=True)
-    pg, st = A.policy_loss(logp, old, adv, rm, eps_low, eps_high, agg, gt, is_weights=w, return_stats=True)
+    if pack is not None:
+        logp, ent = packed_logprobs(policy, pack, rm, temp, return_entropy=True)
+    else:
+        logp, ent = sequence_logprobs(policy, ids, am, rm, temp, return_entropy=True)
+    pg, st = A.policy_loss(logp, old, adv, rm, eps_low, eps_high, agg, gt, is_weights=w, return_stats=True,
+                           ratio_level=ratio_level, pg=pg_form, norm_length=norm_length)
     loss = pg * scale
     parts = {"pg_loss": pg.detach() * scale, "clipfrac": st["clipfrac"], "ratio_mean": st["ratio_mean"]}
     if ref is not None:
-        kl = A.agg_loss(A.kl_estimate(logp, ref, kl_kind), rm, agg, gt) * scale
+        kl = A.agg_loss(A.kl_estimate(logp, ref, kl_kind), rm, agg, gt, norm_length=norm_length) * scale
         if kl_in_loss:
             loss = loss + kl_coef * kl
         parts["kl"] = kl.detach()
-    ent_agg = A.agg_loss(ent, rm, agg, gt) * scale
+    ent_agg = A.agg_loss(ent, rm, agg, gt, norm_length=norm_length) * scale
     if entropy_coef:
         loss = loss - entropy_coef * ent_agg
     parts["entropy"] = ent_agg.detach()
@@ -273,6 +280,24 @@ def _value_micro_loss(critic, ids, am, rm, old_values, returns, gtok, scale, cli
     gt = gtok if agg == "token-mean" else None
     v = torch.roll(critic(ids, am), 1, 1) * rm  # token j's state value is read at position j - 1
     return A.value_loss(v, old_values, returns, rm, clip, agg, gt) * scale
+
+
+def _loss_spec(algo, loss_type, loss_agg, scale_rewards, grpo_normalize_std) -> A.LossSpec:
+    """The learner's :class:`~torchtpu_rl.algorithms.LossSpec`: ``loss_type``'s (its aggregation replaced
+    by ``loss_agg`` and its reward scaling by ``scale_rewards`` when given), or without one GRPO / PPO
+    with ``loss_agg`` (default token-mean)."""
+    if scale_rewards is not None and scale_rewards not in A.SCALE_REWARDS:
+        raise ValueError(f"Learner: scale_rewards must be one of {A.SCALE_REWARDS}, not {scale_rewards!r}")
+    if loss_type is None:
+        scale = scale_rewards or ("group" if grpo_normalize_std else "none")
+        return A.LossSpec("group" if algo == "grpo" else "gae", loss_agg or "token-mean", scale_rewards=scale)
+    if loss_type not in A.LOSS_SPECS:
+        raise ValueError(f"Learner: loss_type must be one of {A.LOSS_TYPES}, not {loss_type!r}")
+    if algo != "grpo":
+        raise ValueError(f"Learner: loss_type {loss_type!r} is a critic-free (group) loss: give algo='grpo', "
+                         f"not {algo!r}")
+    spec = A.LOSS_SPECS[loss_type]
+    return dataclasses.replace(spec, agg=loss_agg or spec.agg, scale_rewards=scale_rewards or spec.scale_rewards)
 
 
 class Learner:
@@ -302,7 +327,7 @@ class Learner:
                  group_size: Optional[int] = None, lr: float = 1e-3, betas=(0.9, 0.999), weight_decay: float = 0.0,
                  adam_eps: float = 1e-8, grad_clip: Optional[float] = 1.0, kl_coef: float = 0.0,
                  kl_kind: Optional[str] = None, kl_in_reward: Optional[bool] = None, eps_low: float = 0.2,
-                 eps_high: Optional[float] = None, loss_agg: str = "token-mean", ppo_epochs: int = 1,
+                 eps_high: Optional[float] = None, loss_agg: Optional[str] = None, ppo_epochs: int = 1,
                  mini_batch_size: Optional[int] = None, micro_batch_size: Optional[int] = None,
                  tis_cap: Optional[float] = None, entropy_coef: float = 0.0, critic: Optional[nn.Module] = None,
                  critic_lr: Optional[float] = None, value_clip: Optional[float] = 0.2, gamma: float = 1.0,
@@ -310,9 +335,22 @@ class Learner:
                  grpo_normalize_std: bool = True, temperature: Optional[float] = None, device="tpu",
                  length_buckets: Optional[BucketPolicy] = None, compile: Optional[bool] = None, seed: int = 0,
                  micro_batch_tokens: Optional[int] = None, gradient_checkpointing: bool = False,
-                 param_dtype="float32", tis_level: str = "token", fsdp: bool = False):
+                 param_dtype="float32", tis_level: str = "token", fsdp: bool = False,
+                 loss_type: Optional[str] = None, scale_rewards: Optional[str] = None,
+                 norm_length: Optional[int] = None, pack_sequences: bool = False):
         if algo not in ("grpo", "ppo"):
             raise ValueError(f"Learner: algo must be 'grpo' or 'ppo', not {algo!r}")
+        self.loss_spec = _loss_spec(algo, loss_type, loss_agg, scale_rewards, grpo_normalize_std)
+        loss_agg = self.loss_spec.agg
+        if eps_high is None:
+            eps_high = self.loss_spec.eps_high
+        if kl_in_reward is None and self.loss_spec.advantage == "reinforce_pp":
+            kl_in_reward = True  # REINFORCE++ puts the KL penalty in the per-token reward
+        if norm_length is not None and (not isinstance(norm_length, int) or norm_length < 1):
+            raise ValueError(f"Learner: norm_length must be an int >= 1 (the longest response), not {norm_length!r}")
+        self.loss_type = loss_type
+        self.norm_length = norm_length
+        self.pack_sequences = bool(pack_sequences)
         if loss_agg not in A.AGGREGATIONS:
             raise ValueError(f"Learner: loss_agg must be one of {A.AGGREGATIONS}, not {loss_agg!r}")
         if algo == "grpo" and (group_size is None or group_size < 2):
@@ -397,6 +435,7 @@ class Learner:
         self._gen = torch.Generator().manual_seed(int(seed))  # mini-batch shuffling (host)
         self.last_metrics: dict = {}
         self._ref_digest: Optional[str] = None  # the frozen reference's digest, computed on first use
+        self._norm_len = norm_length
 
     # ------------------------------------------------------------ layout
     def _layout(self, batch: RolloutBatch):
@@ -511,6 +550,8 @@ class Learner:
                    mini=self.mini_batch_size // self.world_size if self.mini_batch_size else B)
         st.ids, st.am, st.rmask, blogp, st.lengths = self._layout(batch)
         st.Lb = st.ids.shape[1]
+        # Dr. GRPO's constant divisor: the longest response allowed (default: this batch's response width)
+        self._norm_len = self.norm_length or int(batch.response_ids.shape[1])
         st.ids_d, st.am_d, st.rmask_d, st.blogp_d = (t.to(self.device) for t in (st.ids, st.am, st.rmask, blogp))
         return st
 
@@ -544,19 +585,15 @@ class Learner:
         """Per-token advantages (GRPO: group-relative; PPO: GAE over the per-token rewards, KL in the
         reward when ``kl_in_reward``), whitened when asked; PPO's returns."""
         rmask, r = st.rmask, st.r
-        if self.algo == "grpo":
-            adv = A.grpo_advantages(r, self.group_size, self.grpo_eps, self.grpo_normalize_std)[:, None] * rmask
-            returns = None
+        spec = self.loss_spec
+        returns = None
+        if spec.advantage in ("group", "rloo"):
+            adv = A.group_advantages(r, self.group_size, spec.scale_rewards, self.grpo_eps,
+                                     "loo" if spec.advantage == "rloo" else "mean")[:, None] * rmask
+        elif spec.advantage == "reinforce_pp":
+            adv = A.reinforce_pp_advantages(self._token_rewards(st), rmask)
         else:
-            tok_r = torch.zeros(st.B, st.Lb)
-            P = st.batch.prompt_ids.shape[1]
-            for i in range(st.B):
-                if st.lengths[i] > P:
-                    tok_r[i, st.lengths[i] - 1] = r[i]
-            if self.kl_in_reward and st.ref_logp is not None:
-                kl_tok = A.kl_estimate(st.old_logp, st.ref_logp, self.kl_kind).cpu() * rmask
-                tok_r = tok_r - self.kl_coef * kl_tok
-            adv, returns = A.gae(tok_r, st.old_values.cpu(), rmask, self.gamma, self.lam)
+            adv, returns = A.gae(self._token_rewards(st), st.old_values.cpu(), rmask, self.gamma, self.lam)
         if self.whiten_advantages:
             adv = A.masked_whiten(adv, rmask)
         st.adv_d = adv.to(self.device)
@@ -564,6 +601,19 @@ class Learner:
         # behaviour -> old importance weights (rollouts from an older version or another engine)
         st.isw = (A.truncated_is_weights(st.blogp_d, st.old_logp, self.tis_cap, st.rmask_d, self.tis_level)
                   if self.tis_cap else None)
+
+    def _token_rewards(self, st: "_Step") -> torch.Tensor:
+        """(B, Lb) host rewards per token: the score on the last response token, minus ``kl_coef`` times
+        the per-token KL when the KL is in the reward."""
+        tok_r = torch.zeros(st.B, st.Lb)
+        P = st.batch.prompt_ids.shape[1]
+        for i in range(st.B):
+            if st.lengths[i] > P:
+                tok_r[i, st.lengths[i] - 1] = st.r[i]
+        if self.kl_in_reward and st.ref_logp is not None:
+            kl_tok = A.kl_estimate(st.old_logp, st.ref_logp, self.kl_kind).cpu() * st.rmask
+            tok_r = tok_r - self.kl_coef * kl_tok
+        return tok_r
 
     def _agreement(self, st: "_Step") -> dict:
         """How far the rollout's log-probs are from this recompute (engine numerics, staleness): device
@@ -670,9 +720,11 @@ class Learner:
         if self._critic_adam is not None:
             self._critic_adam.zero_grad()
         acc = {}
+        norm_len = self._norm_len
         pfn, vfn = self._micro_fns()
         real = sum(1 for chunk, _, _ in plan if chunk)
         for chunk, L, R in plan:
+            pack = None
             if R not in scales:  # sequence means: each micro-batch's mean over R rows x R / n
                 scales[R] = torch.tensor(1.0 if token_mean else R / float(n)).to(self.device)
             keep, (ids, am, rm, old, adv, w, ref, ov, ret) = self._micro_inputs(
@@ -680,7 +732,8 @@ class Learner:
             rm = rm * keep
             loss, parts = pfn(self.policy, ids, am, rm, old, adv, w, ref, gtok, scales[R], temp, self.eps_low,
                               self.eps_high, self.loss_agg, self.kl_kind, self.kl_coef,
-                              not self.kl_in_reward, self.entropy_coef)
+                              not self.kl_in_reward, self.entropy_coef, self.loss_spec.ratio_level,
+                              self.loss_spec.pg, norm_len, pack)
             loss.backward()
             if self.critic is not None:
                 vl = vfn(self.critic, ids, am, rm, ov, ret, gtok, scales[R], self.value_clip, self.loss_agg)

@@ -47,7 +47,7 @@ from typing import Optional
 
 __all__ = ["build_parser", "load_config", "main", "parse_args"]
 
-from .config import REPORT_TO, ConfigError, RunConfig
+from .config import AGGREGATIONS, LOSS_TYPES, REPORT_TO, SCALE_REWARDS, ConfigError, RunConfig
 
 RUN_FORMAT = "torchtpu_rl.train/1"
 ENGINES = ("static", "serving")  # workers.ENGINES, spelled here: parsing flags imports no torch
@@ -118,10 +118,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-eps-high", type=float, default=None, help="the clip range above 1 (DAPO's clip-higher)")
     g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus in the loss")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    g.add_argument("--loss-agg", choices=("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
-                   default="token-mean", help="how token losses make the batch's loss")
-    g.add_argument("--scale-rewards", choices=("group", "none"), default="group",
-                   help="GRPO: divide each group's advantages by its reward std (group) or not (none, Dr. GRPO)")
+    g.add_argument("--loss-agg", choices=AGGREGATIONS, default=None,
+                   help="how token losses make the batch's loss (default: the --loss-type's; token-mean without one)")
+    # ---- the loss family, DAPO dynamic sampling, sequence packing (docs/rl.md, "Loss types")
+    g.add_argument("--loss-type", choices=LOSS_TYPES, default=None,
+                   help="TRL's loss_type: grpo, bnpo, dr_grpo, dapo (adds the length_penalty overlong reward), gspo "
+                        "(sequence importance ratio), rloo, reinforce_pp, cispo (default: --algo's loss)")
+    g.add_argument("--scale-rewards", choices=SCALE_REWARDS, default=None,
+                   help="divide advantages by the group's reward std, the batch's, or not (default: the "
+                        "--loss-type's; group without one)")
+    g.add_argument("--epsilon-high", dest="clip_eps_high", type=float, default=None,
+                   help="TRL's name of --clip-eps-high (default: the --loss-type's: dapo 0.28, cispo 4.0)")
+    g.add_argument("--dynamic-sampling", action="store_true",
+                   help="DAPO: drop prompt groups whose rewards are all equal and sample more prompts to fill the "
+                        "step (at most --max-sampling-rounds generation rounds)")
+    g.add_argument("--max-sampling-rounds", type=int, default=4,
+                   help="--dynamic-sampling: generation rounds per step at most, the first included")
+    g.add_argument("--pack-sequences", action="store_true",
+                   help="learner: pack sequences end to end into rows (block-diagonal attention), not padded rows")
+    # ----
     g.add_argument("--rollout-quantization", choices=("none", "int8", "int8_weight_only", "fp8"), default="none",
                    help="rollout workers generate with quantized weights (int8: int8 weights and activations), "
                         "re-quantized after every weight sync")
@@ -198,19 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _trl_loss_type(v):
-    table = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
-             # Dr. GRPO divides token sums by a constant (max_completion_length); a per-sequence sum differs
-             # from it by that constant only
-             "dr_grpo": "seq-mean-token-sum"}
-    if v not in table:
-        raise ValueError(f"loss_type must be one of {sorted(table)}")
-    return table[v]
+    if v not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {list(LOSS_TYPES)}")
+    return v
 
 
 def _trl_scale_rewards(v):
-    table = {True: "group", "group": "group", False: "none", "none": "none"}
+    table = {True: "group", "group": "group", False: "none", "none": "none", "batch": "batch"}
     if v not in table:
-        raise ValueError("scale_rewards must be true/'group' or false/'none' ('batch' is not supported)")
+        raise ValueError("scale_rewards must be true/'group', 'batch' or false/'none'")
     return table[v]
 
 
@@ -220,7 +231,7 @@ CONFIG_ALIASES = {
     "learning_rate": ("lr", None), "num_generations": ("group_size", None), "beta": ("kl_coef", None),
     "epsilon": ("clip_eps", None), "epsilon_high": ("clip_eps_high", None),
     "max_completion_length": ("max_new_tokens", None), "max_prompt_length": ("max_prompt_tokens", None),
-    "loss_type": ("loss_agg", _trl_loss_type), "scale_rewards": ("scale_rewards", _trl_scale_rewards),
+    "loss_type": ("loss_type", _trl_loss_type), "scale_rewards": ("scale_rewards", _trl_scale_rewards),
     "num_iterations": ("ppo_epochs", None), "per_device_train_batch_size": ("micro_batch_size", None),
     "max_grad_norm": ("grad_clip", None), "max_steps": ("steps", None), "output_dir": ("out", None),
     "save_steps": ("save_every", None), "eval_steps": ("eval_every", None),
@@ -705,8 +716,13 @@ def _check_inputs(args) -> dict:
                                 limit=args.eval_limit)
     opts = {"max_new_tokens": args.max_new_tokens, "format_regex": args.format_regex,
             "length_buffer": args.length_buffer}
-    rewards = [resolve_reward(r, **opts) if isinstance(r, str) else _named_reward(r) for r in (args.reward or [])]
-    weights = list(args.reward_weight or [1.0] * len(rewards))
+    specs = list(args.reward or [])
+    weights = list(args.reward_weight or [1.0] * len(specs))
+    if args.loss_type == "dapo" and "length_penalty" not in specs:
+        # DAPO's overlong reward shaping: 0 up to max_new_tokens - buffer, then down to -1 (--length-buffer)
+        specs.append("length_penalty")
+        weights.append(1.0)
+    rewards = [resolve_reward(r, **opts) if isinstance(r, str) else _named_reward(r) for r in specs]
     stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     gen_eos = hf.generation_eos_ids(args.model)
     stops.update(gen_eos)
@@ -847,7 +863,8 @@ def _run(args, s: dict) -> dict:
                               prompts_per_step=args.prompts_per_step, group_size=args.group_size, mode=args.mode,
                               max_staleness=args.max_staleness, transport=args.transport, seed=args.seed,
                               on_reward_error=args.on_reward_error,
-                              max_reward_error_fraction=args.max_reward_error_fraction, tokenizer=tokenizer)
+                              max_reward_error_fraction=args.max_reward_error_fraction, tokenizer=tokenizer,
+                              dynamic_sampling=args.max_sampling_rounds if args.dynamic_sampling else 0)
             resume_step = None
             if s["ckpt"]:
                 driver.load_checkpoint(os.path.join(s["ckpt"], "state.pt"))
