@@ -240,7 +240,9 @@ class TinyTransformer(nn.Module):
         ``cache_position`` (T,) (default ``0..T-1``: a prefill) and attend to every earlier
         slot; ``attention_mask`` is then (B, max_len) over the cache's slots (Hugging Face's
         convention: past and current tokens), 1 where a slot holds a real token, and the
-        positions of the new tokens count the real slots before them.
+        positions of the new tokens count the real slots before them. Without a cache,
+        ``attention_mask`` may be a (B, 1, T, T) boolean mask used as given (packed sequences),
+        with ``position_ids``.
         """
         return self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids, kv_cache, cache_position))
 
@@ -252,6 +254,16 @@ class TinyTransformer(nn.Module):
             return self._forward_cached(input_ids, attention_mask, position_ids, kv_cache, cache_position)
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.config.max_seq_len}")
+        if attention_mask is not None and attention_mask.dim() == 4:
+            # a (B, 1, T, T) boolean mask is used as given (packed sequences: block-diagonal), with the
+            # caller's position_ids
+            if position_ids is None:
+                raise ValueError("a 4-d attention_mask needs position_ids (each token's position in its sequence)")
+            x, cos, sin = self._embed(input_ids, position_ids, T)
+            attn_mask = attention_mask.bool()
+            for block in self.blocks:
+                x = block(x, cos, sin, attn_mask)
+            return self.ln_f(x)
         if position_ids is None and attention_mask is not None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         x, cos, sin = self._embed(input_ids, position_ids, T)

@@ -53,6 +53,7 @@ from torchtpu import bucketing
 from torchtpu.bucketing import BucketPolicy
 
 from . import algorithms as A
+from .packing import pack_rows, packed_logprobs, pow2_rows
 from .policy import ValueModel, clone_policy, sequence_logprobs
 from .protocol import RolloutBatch
 
@@ -431,6 +432,11 @@ class Learner:
         self.compile = (self.device.type == "tpu") if compile is None else bool(compile)
         self._compiled = None
         self._compiled_score = None
+        self._compiled_packed_score = None
+        self._host_rows = None
+        if self.pack_sequences and (algo != "grpo" or self.fsdp):
+            raise ValueError("Learner: pack_sequences packs the policy's forward of a single GRPO learner (not PPO's "
+                             "critic, not fsdp)")
         self.policy_version = 0
         self._gen = torch.Generator().manual_seed(int(seed))  # mini-batch shuffling (host)
         self.last_metrics: dict = {}
@@ -550,6 +556,7 @@ class Learner:
                    mini=self.mini_batch_size // self.world_size if self.mini_batch_size else B)
         st.ids, st.am, st.rmask, blogp, st.lengths = self._layout(batch)
         st.Lb = st.ids.shape[1]
+        self._host_rows = (st.ids, st.am, batch.pad_id)  # what pack_sequences packs
         # Dr. GRPO's constant divisor: the longest response allowed (default: this batch's response width)
         self._norm_len = self.norm_length or int(batch.response_ids.shape[1])
         st.ids_d, st.am_d, st.rmask_d, st.blogp_d = (t.to(self.device) for t in (st.ids, st.am, st.rmask, blogp))
@@ -565,6 +572,10 @@ class Learner:
             for chunk, L, R in plan:
                 keep, (ids_m, am_m, rm_m) = self._micro_inputs(chunk, L, R, (st.ids_d, st.am_d, st.rmask_d))
                 n, pad = len(chunk), st.Lb - L
+                pack = self._pack(chunk, L, R)
+                if pack is not None:
+                    def score(model, ids_, am_, rm_, temp, pack=pack):
+                        return self._packed_score_fn()(model, pack, rm_, temp)
                 old.append(F.pad(score(self.policy, ids_m, am_m, rm_m, st.temp)[:n], (0, pad)))
                 if self.ref_policy is not None and self.kl_coef > 0:
                     ref.append(F.pad(score(self.ref_policy, ids_m, am_m, rm_m, st.temp)[:n], (0, pad)))
@@ -724,7 +735,7 @@ class Learner:
         pfn, vfn = self._micro_fns()
         real = sum(1 for chunk, _, _ in plan if chunk)
         for chunk, L, R in plan:
-            pack = None
+            pack = self._pack(chunk, L, R)
             if R not in scales:  # sequence means: each micro-batch's mean over R rows x R / n
                 scales[R] = torch.tensor(1.0 if token_mean else R / float(n)).to(self.device)
             keep, (ids, am, rm, old, adv, w, ref, ov, ret) = self._micro_inputs(
@@ -752,6 +763,23 @@ class Learner:
         if self._critic_adam is not None:
             self._critic_adam.step(self.grad_clip)
         return acc
+
+    def _pack(self, chunk, L, R):
+        """The micro-batch's sequences packed into rows of ``L`` (``pack_sequences``; else None), its ``R``
+        padded rows mapped onto them (filler rows read as padding)."""
+        if not self.pack_sequences or not chunk:
+            return None
+        ids, am, pad_id = self._host_rows
+        idx = torch.tensor(chunk + [chunk[0]] * (R - len(chunk)), dtype=torch.int64)
+        return pack_rows(ids.index_select(0, idx)[:, :L], am.index_select(0, idx)[:, :L], L, pad_id,
+                         rows_bucket=pow2_rows, n_real=len(chunk), device=self.device)
+
+    def _packed_score_fn(self):
+        if not self.compile:
+            return packed_logprobs
+        if self._compiled_packed_score is None:
+            self._compiled_packed_score = torch.compile(packed_logprobs, backend="tpu", dynamic=False)
+        return self._compiled_packed_score
 
     def _score_fn(self):
         if not self.compile:
