@@ -122,6 +122,25 @@ def test_reward_errors_name_the_sample(topo):
     assert m["reward_errors"] == 1
 
 
+def test_dynamic_sampling_fills_the_step_with_informative_groups(topo):
+    """DAPO dynamic sampling (--dynamic-sampling) through the driver. Prompts starting with an odd digit score 0
+    whatever the response (their groups are dropped); the others score the first response token. The step
+    still trains on prompts_per_step whole groups, each informative."""
+
+    def reward(prompts, responses, answers):
+        return [0.0 if p[1] % 2 else float(r[0]) / 10 for p, r in zip(prompts, responses)]
+
+    d = _driver(topo, reward_fn=reward, dynamic_sampling=6)
+    m = d.step()
+    assert m["samples"] == 16 and m["dynamic_sampling_rounds"] >= 2 and m["dynamic_sampling_dropped_groups"] >= 1
+    b = d.last_batch
+    got = reward(b.prompts(), b.responses(), [None] * len(b))
+    groups = [got[g * 4:(g + 1) * 4] for g in range(4)]
+    informative = sum(1 for g in groups if max(g) > min(g))
+    assert informative == 4 - m["dynamic_sampling_short_groups"]
+    assert all(b.prompts()[g * 4][1] % 2 == 0 for g in range(informative))  # odd-start groups only as filler
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_checkpoint_resume_is_exact(topo, tmp_path, mode):
     """k steps, checkpoint, m more == resume from the checkpoint and m steps (same rewards,
