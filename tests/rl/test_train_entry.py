@@ -290,6 +290,11 @@ def _copy_model(src, dst, skip=()):
     (["--top-p", "0"], r"--top-p must be in \(0, 1\]"),
     (["--max-reward-error-fraction", "1.5"], r"--max-reward-error-fraction must be a fraction in \[0, 1\]"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints must be a positive integer"),
+    (["--max-sampling-rounds", "0"], "--max-sampling-rounds must be a positive integer, not 0"),
+    (["--algo", "ppo", "--loss-type", "gspo"], "--loss-type gspo is a critic-free group loss: give --algo grpo"),
+    (["--algo", "ppo", "--dynamic-sampling"], "--dynamic-sampling drops prompt groups .* needs --algo grpo"),
+    (["--algo", "ppo", "--pack-sequences"], "--pack-sequences packs the policy's forward of a single learner"),
+    (["--epsilon-high", "-0.1"], "--clip-eps-high must be a finite number > 0"),
 ])
 def test_bad_numbers_exit_2_naming_the_flag_before_ray_starts(run_inputs, tmp_path, capsys, flags, message):
     argv = ["--config", str(run_inputs / "run.yaml"), "--out", str(tmp_path / "o")] + flags
@@ -406,17 +411,21 @@ def test_config_files_take_trl_and_verl_names(run_inputs, tmp_path):
     args = train.parse_args(["--config", str(tmp_path / "trl.yaml")])
     kw = train._setup(args)["learner_kwargs"]
     assert (kw["lr"], kw["group_size"], kw["kl_coef"], kw["eps_low"], kw["eps_high"]) == (3e-6, 4, 0.04, 0.2, 0.28)
-    assert (kw["loss_agg"], kw["grpo_normalize_std"], kw["ppo_epochs"], kw["micro_batch_size"]) == \
-        ("seq-mean-token-sum", False, 2, 4)
+    assert (kw["loss_type"], kw["loss_agg"], kw["scale_rewards"], kw["ppo_epochs"], kw["micro_batch_size"]) == \
+        ("dr_grpo", None, "none", 2, 4)
+    assert kw["norm_length"] == 8  # Dr. GRPO divides by max_completion_length
     assert (kw["entropy_coef"], kw["weight_decay"], kw["grad_clip"]) == (0.01, 0.1, 0.5)
     assert (args.max_new_tokens, args.temperature, args.out) == (8, 0.9, str(tmp_path / "o"))
     (tmp_path / "twice.yaml").write_text(yaml.safe_dump({**cfg, "lr": 1e-3}))
     with pytest.raises(train.TrainError, match=r"twice.yaml.*'lr' and 'learning_rate' both set --lr"):
         train.parse_args(["--config", str(tmp_path / "twice.yaml")])
     (tmp_path / "batch.yaml").write_text(yaml.safe_dump({**cfg, "scale_rewards": "batch"}))
-    with pytest.raises(train.TrainError, match=r"scale_rewards must be true/'group' or false/'none' \('batch' is not "
-                                               r"supported\), not 'batch'"):
-        train.parse_args(["--config", str(tmp_path / "batch.yaml")])
+    assert train._setup(train.parse_args(["--config", str(tmp_path / "batch.yaml")]))["learner_kwargs"][
+        "scale_rewards"] == "batch"
+    (tmp_path / "rows.yaml").write_text(yaml.safe_dump({**cfg, "scale_rewards": "rows"}))
+    with pytest.raises(train.TrainError, match=r"scale_rewards must be true/'group', 'batch' or false/'none', not "
+                                               r"'rows'"):
+        train.parse_args(["--config", str(tmp_path / "rows.yaml")])
     with pytest.raises(train.TrainError, match=r"--clip-eps must be in \(0, 1\), not 1.5"):
         train._setup(train.parse_args(["--config", str(tmp_path / "trl.yaml"), "--clip-eps", "1.5"]))
 
@@ -467,3 +476,53 @@ def test_report_to_is_checked_before_ray_starts(run_inputs, tmp_path):
     if importlib.util.find_spec("wandb") is None:
         with pytest.raises(train.TrainError, match="--report-to wandb needs the wandb package"):
             train._setup(train.parse_args(cfg + ["--report-to", "wandb"]))
+
+
+def test_every_loss_type_trains_a_step_from_the_command_line_options(run_inputs, tmp_path):
+    """--loss-type X (with --scale-rewards, --epsilon-high, --pack-sequences) as the run's Learner gets it: the
+    loss the algorithms table names, one step on the run's model (cpu) and its batch shapes."""
+    import copy
+
+    from torchtpu_rl import Learner, RolloutBatch
+    from torchtpu_rl import algorithms as A
+    from torchtpu_rl.hf import load_policy
+
+    base = load_policy(str(run_inputs / "model"), device="cpu")
+    g = torch.Generator().manual_seed(0)
+    rlens = torch.tensor([8, 1, 2, 3, 8, 2, 1, 5])
+    rmask = torch.arange(8)[None] < rlens[:, None]
+    batch = RolloutBatch(prompt_ids=torch.randint(5, 30, (8, 6), generator=g), prompt_mask=torch.ones(8, 6, dtype=int),
+                         response_ids=torch.randint(5, 30, (8, 8), generator=g) * rmask, response_mask=rmask,
+                         logprobs=-torch.rand(8, 8, generator=g) * rmask, policy_version=torch.zeros(8, dtype=int),
+                         stopped=torch.ones(8, dtype=bool))
+    rewards = torch.tensor([0.0, 1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0])  # the second group all equal
+    argv = ["--config", str(run_inputs / "run.yaml"), "--out", str(tmp_path / "o"), "--pack-sequences"]
+    for lt in A.LOSS_TYPES:
+        extra = ["--scale-rewards", "batch"] if lt == "grpo" else ["--epsilon-high", "0.3"] if lt == "gspo" else []
+        s = train._setup(train.parse_args(argv + ["--loss-type", lt] + extra + ["--overwrite-out"]))
+        kw = dict(s["learner_kwargs"], device="cpu")
+        learner = Learner(copy.deepcopy(base), **kw)
+        spec = A.LOSS_SPECS[lt]
+        assert learner.loss_spec.advantage == spec.advantage and learner.loss_spec.agg == spec.agg, lt
+        assert learner.loss_spec.scale_rewards == ("batch" if lt == "grpo" else spec.scale_rewards), lt
+        assert learner.eps_high == (0.3 if lt == "gspo" else spec.eps_high or 0.2), lt
+        assert learner.pack_sequences
+        m = learner.train_step(batch, rewards)
+        assert torch.isfinite(torch.tensor(m["loss"])) and m["grad_norm"] > 0, lt
+        if lt == "dapo":  # DAPO's overlong shaping: the length_penalty reward joins the run's rewards
+            assert [n for n, _ in s["rewards"]][-1] == "length_penalty" and s["weights"][-1] == 1.0
+
+
+def test_dapo_run_with_dynamic_sampling_and_packing(run_inputs, tmp_path, ray_driver, xla_cache):
+    """One run of python -m torchtpu_rl.train's Trainer with --loss-type dapo --dynamic-sampling --pack-sequences:
+    it trains, and the dynamic-sampling counts reach metrics.jsonl."""
+    argv = ["--config", str(run_inputs / "run.yaml"), "--out", str(tmp_path / "o"), "--steps", "1", "--no-progress",
+            "--xla-cache", xla_cache, "--loss-type", "dapo", "--dynamic-sampling", "--max-sampling-rounds", "2",
+            "--pack-sequences", "--eval-data", ""]
+    summary = train.main(argv)
+    assert summary["steps"] == 1
+    row = _read(tmp_path / "o" / "metrics.jsonl")[0]
+    assert 1 <= row["dynamic_sampling_rounds"] <= 2 and row["samples"] == 8
+    assert row["dynamic_sampling_short_groups"] <= row["dynamic_sampling_dropped_groups"]
+    assert any("length_penalty" in k for k in row), row  # DAPO's overlong shaping is one of the run's rewards
+
