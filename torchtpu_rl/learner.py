@@ -318,6 +318,15 @@ class Learner:
     default: the batch's). ``compile``: run each micro-batch's forward + loss (and its backward)
     as ``torch.compile(backend="tpu")`` programs (default: on for tpu).
 
+    The loss family: ``loss_type`` (TRL's names, :data:`torchtpu_rl.algorithms.LOSS_SPECS`: grpo, bnpo,
+    dr_grpo, dapo, gspo, rloo, reinforce_pp, cispo; GRPO only) sets the advantage estimator, the
+    aggregation (``loss_agg`` overrides it), the ratio level and the surrogate, and its defaults for
+    ``eps_high`` and ``scale_rewards`` ("group" / "batch" / "none"); ``norm_length``: Dr. GRPO's constant
+    divisor (the longest response allowed; default: the batch's response width). Without ``loss_type``:
+    GRPO or PPO with ``loss_agg`` (token-mean) and ``grpo_normalize_std``.
+    ``pack_sequences``: each micro-batch's sequences packed end to end into rows
+    (:mod:`torchtpu_rl.packing`; GRPO, single learner), the same loss and gradients as padded rows.
+
     Scale: ``micro_batch_tokens`` packs micro-batches by a token budget (rows x padded length;
     at least one row each; ``micro_batch_size`` then caps the rows); ``gradient_checkpointing``
     (Hugging Face models); ``param_dtype`` "float32" or "bfloat16" for the policy, reference
@@ -573,12 +582,15 @@ class Learner:
                 keep, (ids_m, am_m, rm_m) = self._micro_inputs(chunk, L, R, (st.ids_d, st.am_d, st.rmask_d))
                 n, pad = len(chunk), st.Lb - L
                 pack = self._pack(chunk, L, R)
-                if pack is not None:
-                    def score(model, ids_, am_, rm_, temp, pack=pack):
-                        return self._packed_score_fn()(model, pack, rm_, temp)
-                old.append(F.pad(score(self.policy, ids_m, am_m, rm_m, st.temp)[:n], (0, pad)))
+
+                def logprobs(model):
+                    if pack is not None:
+                        return self._packed_score_fn()(model, pack, rm_m, st.temp)
+                    return score(model, ids_m, am_m, rm_m, st.temp)
+
+                old.append(F.pad(logprobs(self.policy)[:n], (0, pad)))
                 if self.ref_policy is not None and self.kl_coef > 0:
-                    ref.append(F.pad(score(self.ref_policy, ids_m, am_m, rm_m, st.temp)[:n], (0, pad)))
+                    ref.append(F.pad(logprobs(self.ref_policy)[:n], (0, pad)))
                 if self.critic is not None:
                     vals.append(F.pad(self._values(ids_m, am_m, rm_m)[:n], (0, pad)))
         order = [r_ for chunk, _, _ in plan for r_ in chunk]
