@@ -81,7 +81,7 @@ def answer_text(answer) -> str:
     return f"The answer is {answer}."
 
 
-def build_tokenizer(rows, vocab_size: int = 256):
+def build_tokenizer(rows, vocab_size: int = 384):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -93,7 +93,9 @@ def build_tokenizer(rows, vocab_size: int = 256):
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS))
+    # every byte in the base alphabet: any expression the model writes is encodable
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                    chat_template=CHAT_TEMPLATE)
     fast.add_tokens(TOOL_TOKENS)

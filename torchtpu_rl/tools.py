@@ -105,7 +105,7 @@ def tool_schema(fn: Callable, name: str) -> dict:
     given = getattr(fn, "json_schema", None)
     if given is not None:
         if not (isinstance(given, dict) and given.get("type") == "function" and "name" in given.get("function", {})):
-            raise ToolSpecError(f"tool {name!r}: its json_schema must be {{'type': 'function', 'function': "
+            raise ToolSpecError(f"--tools: tool {name!r}: its json_schema must be {{'type': 'function', 'function': "
                                 f"{{'name', 'description', 'parameters'}}}}, not {given!r}")
         return given
     try:
@@ -115,7 +115,7 @@ def tool_schema(fn: Callable, name: str) -> dict:
     try:
         return get_json_schema(fn)
     except Exception as e:  # noqa: BLE001 - transformers raises its own parsing exceptions
-        raise ToolSpecError(f"tool {name!r} has no JSON schema: give it type hints and a docstring with an "
+        raise ToolSpecError(f"--tools: tool {name!r} has no JSON schema: give it type hints and a docstring with an "
                             f"'Args:' section for every argument (transformers' get_json_schema), or a "
                             f"json_schema attribute ({type(e).__name__}: {e})") from e
 
