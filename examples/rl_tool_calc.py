@@ -7,9 +7,10 @@
 2. A byte-level BPE tokenizer trained on the task's text, with a Hermes-style chat template that renders
    the tools and tool messages, and a randomly initialized ``Qwen2ForCausalLM``, saved as a Hugging Face
    directory.
-3. A short supervised warm-up on tpu, on a mix of conversations: half call the calculator and copy its
-   result, half answer at once with a guess (a wrong answer: the model has to learn from rewards that the
-   tool pays). So the policy starts by calling the tool on a fraction of the problems only.
+3. A supervised warm-up on tpu on a mix of conversations: 45% call the calculator and copy its result,
+   the rest answer at once with a guess in their own words ("I guess 120."; nearly always wrong). So the
+   sampled policy calls the tool on about 40% of the problems and the greedy one on few: GRPO has to
+   learn from the rewards that calling the tool pays.
 4. GRPO through ``python -m torchtpu_rl.train --tools calculator --max-turns 3 --reward math_answer``:
    episodes run in the rollout workers (tool calls executed in the sandbox), only the assistant's tokens
    carry loss; held-out greedy accuracy before, during and after; ``tool_calc.png`` plots the accuracy
@@ -81,6 +82,10 @@ def answer_text(answer) -> str:
     return f"The answer is {answer}."
 
 
+def guess_text(answer) -> str:
+    return f"I guess {answer}."
+
+
 def build_tokenizer(rows, vocab_size: int = 384):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -88,7 +93,7 @@ def build_tokenizer(rows, vocab_size: int = 384):
     corpus = []
     for r in rows:
         corpus += [r["messages"][0]["content"], tool_call_text(r["expression"]), answer_text(r["answer"]),
-                   "error: tools: calculator"]
+                   guess_text(r["answer"]), "error: tools: calculator"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])
@@ -138,8 +143,8 @@ def conversation_tokens(tokenizer, row, use_tool: bool, rng: random.Random) -> t
         ids.extend(obs)
         mask.extend([False] * len(obs))
         say(answer_text(row["answer"]))
-    else:  # a guess: the model learns the direct-answer format, and (from rewards) that it is usually wrong
-        say(answer_text(rng.randint(0, 198)))
+    else:  # a guess, in its own words: the model learns to answer directly, and (from rewards) that it is wrong
+        say(guess_text(rng.randint(0, 198)))
     return ids, mask
 
 
@@ -185,7 +190,7 @@ def write_jsonl(path: str, rows) -> None:
 
 
 def prepare(out: str, *, n_train: int = 2000, n_eval: int = 200, hidden: int = 64, layers: int = 2,
-            sft_steps: int = 150, tool_fraction: float = 0.5, seed: int = 0, device: str = "tpu", log=print) -> dict:
+            sft_steps: int = 500, tool_fraction: float = 0.45, seed: int = 0, device: str = "tpu", log=print) -> dict:
     train, held = make_splits(n_train, n_eval, seed)
     os.makedirs(os.path.join(out, "data"), exist_ok=True)
     write_jsonl(os.path.join(out, "data", "train.jsonl"), train)
@@ -259,10 +264,10 @@ def main(argv=None) -> dict:
     p.add_argument("--eval-size", type=int, default=200)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--sft-steps", type=int, default=150)
-    p.add_argument("--tool-fraction", type=float, default=0.3,
+    p.add_argument("--sft-steps", type=int, default=500)
+    p.add_argument("--tool-fraction", type=float, default=0.45,
                    help="share of warm-up conversations that call the calculator (the rest guess)")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=32)

@@ -712,20 +712,22 @@ def _check_inputs(args) -> dict:
         meta = _check_resume(ckpt, args, fingerprint)
     _prepare_out(args)
     chat = {"auto": None, "on": True, "off": False}[args.chat_template]
+    engine_kwargs = config.engine_kwargs()
+    episodes = _episode_spec(config, tokenizer, args) if config.episode.enabled else None
+    tools = [t.schema for t in episodes.tools] if episodes is not None else None  # rendered into the prompts
     dataset = load_prompts(args.data, tokenizer, args.prompt_key, max_prompt_tokens=args.max_prompt_tokens,
-                           on_long_prompt=args.on_long_prompt, chat_template=chat, seed=args.seed)
+                           on_long_prompt=args.on_long_prompt, chat_template=chat, seed=args.seed, tools=tools)
     eval_set = None
     if args.eval_data:
         eval_set = load_prompts(args.eval_data, tokenizer, args.prompt_key, max_prompt_tokens=args.max_prompt_tokens,
                                 on_long_prompt=args.on_long_prompt, chat_template=chat, seed=args.seed, shuffle=False,
-                                limit=args.eval_limit)
+                                limit=args.eval_limit, tools=tools)
     opts = {"max_new_tokens": args.max_new_tokens, "format_regex": args.format_regex,
             "length_buffer": args.length_buffer}
     rewards = [resolve_reward(r, **opts) if isinstance(r, str) else _named_reward(r) for r in (args.reward or [])]
     weights = list(args.reward_weight or [1.0] * len(rewards))
-    engine_kwargs = config.engine_kwargs()
-    if config.episode.enabled:
-        engine_kwargs["episodes"] = _episode_spec(config, tokenizer, args)
+    if episodes is not None:
+        engine_kwargs["episodes"] = episodes
         if config.episode.env is not None:  # the environment's reward first: eval accuracy reads it
             from .rewards import env_reward
 
