@@ -11,7 +11,7 @@ turn as text and returns the next observation (a user message; ``None``: nothing
 (``None``: none this turn; the episode's environment reward is the sum of the rewards given) and
 whether the episode is over. Richer forms are accepted: an observation may be a message dict
 (``{"role": "user" | "tool", "content": ...}``) or a list of them, and ``step`` may return a 4th item,
-an info dict (numbers in it are averaged into the step's metrics as ``env/<key>``).
+an info dict (its plain values are kept in the episode's record, ``info``).
 
 :func:`resolve_env` takes ``--env``: a built-in name (:data:`BUILTINS`), ``MODULE:CLASS`` or
 ``path/to/file.py:CLASS``, and checks the class follows the interface (an :class:`EnvSpecError` naming
