@@ -267,7 +267,7 @@ def main(argv=None) -> dict:
     p.add_argument("--sft-steps", type=int, default=500)
     p.add_argument("--tool-fraction", type=float, default=0.45,
                    help="share of warm-up conversations that call the calculator (the rest guess)")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=32)
