@@ -84,7 +84,7 @@ class _Render:
     """Token pieces of a conversation, from the chat template (see the module doc) or as plain text."""
 
     PROBE_USER = {"role": "user", "content": "u"}
-    PROBE_ASSISTANT = {"role": "assistant", "content": "a"}
+    PROBE_ASSISTANT = {"role": "assistant", "content": "probe-assistant-turn-5c1"}
 
     def __init__(self, tokenizer, chat: bool, tools: list):
         self.tok = tokenizer
@@ -92,8 +92,12 @@ class _Render:
         self.tools = [t.schema for t in tools] or None
         if self.chat:
             closed = self._text([self.PROBE_USER, self.PROBE_ASSISTANT], False)
-            start = closed.rfind("a")
-            self.close = closed[start + 1:]  # what the template writes after an assistant turn's content
+            content = self.PROBE_ASSISTANT["content"]
+            at = closed.rfind(content)
+            if at < 0:
+                raise EpisodeError("the chat template drops assistant messages' content; multi-turn episodes "
+                                   "need it rendered")
+            self.close = closed[at + len(content):]  # what the template writes after an assistant turn's content
             self.closed_probe = closed
             with_gen = self._text([self.PROBE_USER], True)
             self.gen_prompt = with_gen[len(self._text([self.PROBE_USER], False)):]
