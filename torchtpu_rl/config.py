@@ -7,6 +7,7 @@ typed as well as the field a Python caller set:
 - :class:`RolloutConfig`: what each step generates and with which engine;
 - :class:`LearnerConfig`: the algorithm, its optimizer and loss options, LoRA;
 - :class:`SyncConfig`: how rollouts and training overlap and how weights travel;
+- :class:`EpisodeConfig`: multi-turn episodes (environment, tools, per-episode and sandbox limits);
 - :class:`RunConfig`: the three above plus the run's length, seed, rewards, checkpoints,
   evaluation and logging; :meth:`RunConfig.from_args` builds it from ``train.parse_args``'s
   namespace (flags, ``--config`` files and TRL / verl names all land there first) and checks the
@@ -29,7 +30,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp",
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 SCALE_REWARDS = ("group", "batch", "none")
 
-__all__ = ["ConfigError", "LearnerConfig", "RolloutConfig", "RunConfig", "SyncConfig", "flag"]
+__all__ = ["ConfigError", "EpisodeConfig", "LearnerConfig", "RolloutConfig", "RunConfig", "SyncConfig", "flag"]
 
 DEFAULT_MAX_PROMPT_TOKENS = 512
 REPORT_TO = ("tensorboard", "wandb", "none")
@@ -233,12 +234,50 @@ class SyncConfig(_Checked):
 
 
 @dataclasses.dataclass
+class EpisodeConfig(_Checked):
+    """Multi-turn episodes (agentic RL): the environment, the tools, the per-episode limits and the tool
+    sandbox's limits. Without ``env`` and ``tools`` each prompt is one turn, as before. The env and tool
+    specs are resolved (imported, checked) by ``train.py`` before any actor starts."""
+
+    env: Optional[str] = None  # built-in name, MODULE:CLASS or FILE.py:CLASS (environments.resolve_env)
+    tools: Optional[list] = None  # built-in names, MODULE:FUNCTION or FILE.py:FUNCTION (tools.resolve_tools)
+    max_turns: Optional[int] = None  # None: 4 with an env or tools
+    max_episode_tokens: Optional[int] = None  # None: the engine's context bounds an episode
+    max_episode_seconds: Optional[float] = None
+    tool_timeout_s: float = 5.0
+    tool_cpu_s: int = 5
+    tool_memory_mb: int = 512
+    tool_max_output_bytes: int = 16384
+
+    DEFAULT_MAX_TURNS = 4
+
+    def __post_init__(self):
+        self._ints(("max_turns", "max_episode_tokens"), optional=True)
+        self._float("max_episode_seconds", lambda v: v > 0, "a number of seconds > 0", optional=True)
+        self._float("tool_timeout_s", lambda v: v > 0, "a number of seconds > 0")
+        self._ints(("tool_cpu_s", "tool_memory_mb", "tool_max_output_bytes"))
+        if self.env is not None and (not isinstance(self.env, str) or not self.env.strip()):
+            self._fail("env", "a built-in name, MODULE:CLASS or FILE.py:CLASS")
+        if not self.enabled:
+            given = [f for f in ("max_turns", "max_episode_tokens", "max_episode_seconds") if getattr(self, f) is not None]
+            if given:
+                raise ConfigError(f"{flag(given[0])} limits multi-turn episodes: give --env or --tools")
+        elif self.max_turns is None:
+            self.max_turns = self.DEFAULT_MAX_TURNS
+
+    @property
+    def enabled(self) -> bool:
+        return self.env is not None or bool(self.tools)
+
+
+@dataclasses.dataclass
 class RunConfig(_Checked):
     """The whole run (see the module doc)."""
 
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
+    episode: EpisodeConfig = dataclasses.field(default_factory=EpisodeConfig)
     steps: int = 100
     seed: int = 0
     reward: Optional[list] = None
@@ -256,7 +295,7 @@ class RunConfig(_Checked):
     ray_num_cpus: Optional[int] = None  # None: derived (this machine's CPUs)
     ray_object_store_mb: Optional[int] = None  # None: derived (twice the weights)
 
-    PARTS = {"rollout": RolloutConfig, "learner": LearnerConfig, "sync": SyncConfig}
+    PARTS = {"rollout": RolloutConfig, "learner": LearnerConfig, "sync": SyncConfig, "episode": EpisodeConfig}
 
     def __post_init__(self):
         self._ints(("steps",), low=0)
@@ -267,8 +306,8 @@ class RunConfig(_Checked):
         self._float("reward_model_weight", lambda v: True, "a finite number")
         self._float("max_reward_error_fraction", lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
         self._choice("on_reward_error", ("stop", "continue"))
-        if not self.reward and not self.reward_model:
-            raise ConfigError("give at least one --reward (or a --reward-model)")
+        if not self.reward and not self.reward_model and self.episode.env is None:
+            raise ConfigError("give at least one --reward (or a --reward-model, or an --env whose rewards train)")
         if self.reward_weight and len(self.reward_weight) != len(self.reward or []):
             raise ConfigError(f"{len(self.reward_weight)} --reward-weight for {len(self.reward or [])} --reward; give "
                               "one weight per reward, in order")

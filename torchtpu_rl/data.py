@@ -170,12 +170,13 @@ def _is_chat(value) -> bool:
 
 def load_prompts(source, tokenizer, prompt_key: str = "prompt", *, max_prompt_tokens: Optional[int] = None,
                  on_long_prompt: str = "skip", chat_template: Optional[bool] = None, seed: int = 0,
-                 shuffle: bool = True, limit: Optional[int] = None) -> PromptDataset:
+                 shuffle: bool = True, limit: Optional[int] = None, tools: Optional[list] = None) -> PromptDataset:
     """A :class:`PromptDataset` of tokenized text prompts (see the module doc).
 
     ``chat_template``: None (default) renders chat-message prompts with the tokenizer's chat
     template and tokenizes plain text as it is; True also renders plain text as one user
-    message; False refuses chat prompts. ``limit``: keep the first ``limit`` rows."""
+    message; False refuses chat prompts. ``limit``: keep the first ``limit`` rows. ``tools``: the JSON
+    schemas of the run's tools (agentic RL), rendered into chat prompts by the template (``tools=``)."""
     if on_long_prompt not in ("skip", "error"):
         raise ValueError(f"on_long_prompt must be 'skip' or 'error', not {on_long_prompt!r}")
     rows, name = read_rows(source)
@@ -198,7 +199,8 @@ def load_prompts(source, tokenizer, prompt_key: str = "prompt", *, max_prompt_to
                 raise ValueError(f"{name}: row {r} column {prompt_key!r} holds chat messages but the tokenizer has "
                                  "no chat template; give plain-text prompts or a tokenizer with one")
             messages = [{"role": "user", "content": value}] if isinstance(value, str) else list(value)
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                 add_generation_prompt=True)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template has its own specials
         elif isinstance(value, str):
             text = value

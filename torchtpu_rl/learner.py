@@ -468,8 +468,10 @@ class Learner:
         ids[:, P:L] = batch.response_ids
         am[:, :P] = batch.prompt_mask.long()
         am[:, P:L] = batch.response_mask.long()
-        rmask[:, P:L] = batch.response_mask.float()
-        blogp[:, P:L] = batch.logprobs.float() * batch.response_mask.float()
+        # multi-turn episodes: only the assistant's tokens carry loss (loss_mask), all real ones attend
+        loss = batch.loss_mask_or_response.float()
+        rmask[:, P:L] = loss
+        blogp[:, P:L] = batch.logprobs.float() * loss
         # prompts are left-padded to P and responses follow: a row needs columns [0, P + its length)
         lengths = (P + batch.response_mask.long().sum(1)).tolist()
         return ids, am, rmask, blogp, lengths

@@ -109,6 +109,11 @@ class RolloutBatch:
     - ``temperature``: the sampling temperature (the learner scores log-probs with it).
     - ``token_versions`` (B, R) int64 or None: the policy version that sampled each response token,
       when weights changed mid-sequence (:class:`~torchtpu_rl.serving.ServingEngine`).
+    - ``loss_mask`` (B, R) bool or None: the response tokens that carry loss, for multi-turn episodes
+      (:mod:`~torchtpu_rl.episodes`): the assistant's tokens, not the observations and tool results
+      between its turns (None: every real response token, ``response_mask``).
+    - ``episodes``: None, or one record (a dict: the messages after the prompt, the environment's reward,
+      turns, tool-call counts) per row of a multi-turn episode.
     """
 
     prompt_ids: torch.Tensor
@@ -121,6 +126,8 @@ class RolloutBatch:
     pad_id: int = 0
     temperature: float = 1.0
     token_versions: Optional[torch.Tensor] = None
+    loss_mask: Optional[torch.Tensor] = None
+    episodes: Optional[list] = None
 
     _TENSORS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "policy_version",
                 "stopped")
@@ -136,6 +143,11 @@ class RolloutBatch:
         if self.token_versions is not None and self.token_versions.shape != self.response_ids.shape:
             raise ValueError(f"RolloutBatch.token_versions must have response_ids' shape "
                              f"{tuple(self.response_ids.shape)}, not {tuple(self.token_versions.shape)}")
+        if self.loss_mask is not None and self.loss_mask.shape != self.response_ids.shape:
+            raise ValueError(f"RolloutBatch.loss_mask must have response_ids' shape "
+                             f"{tuple(self.response_ids.shape)}, not {tuple(self.loss_mask.shape)}")
+        if self.episodes is not None and len(self.episodes) != B:
+            raise ValueError(f"RolloutBatch.episodes has {len(self.episodes)} records for {B} rows")
         if self.prompt_mask.shape != self.prompt_ids.shape:
             raise ValueError("RolloutBatch.prompt_mask must have prompt_ids' shape")
         for name in ("response_mask", "logprobs"):
@@ -188,9 +200,17 @@ class RolloutBatch:
         return [ids[i][m[i]].tolist() for i in range(len(self))]
 
     # ------------------------------------------------------------ moves and reshapes
-    def _map(self, fn) -> "RolloutBatch":
+    def _map(self, fn, episodes=None) -> "RolloutBatch":
         tv = None if self.token_versions is None else fn(self.token_versions)
-        return dataclasses.replace(self, token_versions=tv, **{n: fn(getattr(self, n)) for n in self._TENSORS})
+        lm = None if self.loss_mask is None else fn(self.loss_mask)
+        return dataclasses.replace(self, token_versions=tv, loss_mask=lm,
+                                   episodes=self.episodes if episodes is None else episodes,
+                                   **{n: fn(getattr(self, n)) for n in self._TENSORS})
+
+    @property
+    def loss_mask_or_response(self) -> torch.Tensor:
+        """(B, R) bool: the response tokens that carry loss (``loss_mask``, else ``response_mask``)."""
+        return self.response_mask.bool() if self.loss_mask is None else self.loss_mask.bool()
 
     def token_versions_or_rows(self) -> torch.Tensor:
         """(B, R) per-token policy versions: ``token_versions``, or each row's ``policy_version``."""
@@ -207,9 +227,10 @@ class RolloutBatch:
     def select(self, index) -> "RolloutBatch":
         """Rows ``index`` (a list/tensor of row numbers or a slice)."""
         if isinstance(index, slice):
-            return self._map(lambda t: t[index])
+            return self._map(lambda t: t[index], None if self.episodes is None else self.episodes[index])
         idx = torch.as_tensor(index, dtype=torch.int64)
-        return self._map(lambda t: t.index_select(0, idx.to(t.device)))
+        eps = None if self.episodes is None else [self.episodes[i] for i in idx.reshape(-1).tolist()]
+        return self._map(lambda t: t.index_select(0, idx.to(t.device)), eps)
 
     def split(self, sizes) -> list:
         """Split into batches of ``sizes`` rows (an int: equal chunks, the last may be smaller)."""
@@ -258,6 +279,10 @@ class RolloutBatch:
             temperature=batches[0].temperature,
             token_versions=(None if all(b.token_versions is None for b in batches) else
                             torch.cat([rp(b.token_versions_or_rows(), R, 0) for b in batches])),
+            loss_mask=(None if all(b.loss_mask is None for b in batches) else
+                       torch.cat([rp(b.loss_mask_or_response, R, False) for b in batches])),
+            episodes=(None if all(b.episodes is None for b in batches) else
+                      [e for b in batches for e in (b.episodes or [None] * len(b))]),
         )
 
     def state(self) -> dict:
@@ -267,6 +292,10 @@ class RolloutBatch:
         out.update(pad_id=self.pad_id, temperature=self.temperature)
         if cpu.token_versions is not None:
             out["token_versions"] = cpu.token_versions
+        if cpu.loss_mask is not None:
+            out["loss_mask"] = cpu.loss_mask
+        if self.episodes is not None:
+            out["episodes"] = self.episodes
         return out
 
     @classmethod
@@ -284,6 +313,7 @@ class RolloutRequest:
     prompts: list  # token-id lists, each group's prompt repeated group_size times
     params: Any  # SamplingParams
     seed: int
+    rows: list = dataclasses.field(default_factory=list)  # each prompt's dataset columns (episodes' reset)
 
 
 @dataclasses.dataclass
@@ -335,7 +365,8 @@ def split_groups(items: Sequence, n_requests: int, group_size: int, params: Samp
     whole prompt groups (each prompt repeated ``group_size`` times), as even as the counts allow."""
     bounds = np.linspace(0, len(items), n_requests + 1).astype(int)
     return [RolloutRequest(first_id + r, step, [list(p) for _, p, _ in items[bounds[r]:bounds[r + 1]]
-                                                for _ in range(group_size)], params, seed_for(seed, step, r))
+                                                for _ in range(group_size)], params, seed_for(seed, step, r),
+                           [m for _, _, m in items[bounds[r]:bounds[r + 1]] for _ in range(group_size)])
             for r in range(n_requests)]
 
 
@@ -350,12 +381,25 @@ ENGINE_STATS = {"useful_tokens": sum, "decode_rows": sum, "prefill_tokens": sum,
                 "preemptions": sum, "kv_pages_peak": max}
 
 
+# multi-turn episodes' per-call counts (episodes.EPISODE_STATS), summed over a step's calls
+EPISODE_STATS = ("episodes", "episode_turns", "episodes_truncated", "tool_calls", "tool_parse_failures",
+                 "tool_errors", "tool_timeouts", "assistant_tokens", "observation_tokens")
+
+
 def engine_stats(results: Sequence[RolloutResult]) -> dict:
-    """The step's :data:`ENGINE_STATS` over its rollout results (those whose engine reports them)."""
+    """The step's :data:`ENGINE_STATS` over its rollout results (those whose engine reports them), and
+    the episodes' :data:`EPISODE_STATS` (with ``tool_parse_failure_rate``: failures per tool-call attempt)."""
+    out = {}
+    eps = [r.stats for r in results if "episodes" in r.stats]
+    if eps:
+        out = {k: sum(s.get(k, 0) for s in eps) for k in EPISODE_STATS}
+        attempts = out["tool_calls"] + out["tool_parse_failures"]
+        out["tool_parse_failure_rate"] = out["tool_parse_failures"] / attempts if attempts else 0.0
+        out["turns_per_episode"] = out["episode_turns"] / out["episodes"] if out["episodes"] else 0.0
     stats = [r.stats for r in results if "row_utilization" in r.stats]
     if not stats:
-        return {}
-    out = {k: combine(s[k] for s in stats) for k, combine in ENGINE_STATS.items() if all(k in s for s in stats)}
+        return out
+    out.update({k: combine(s[k] for s in stats) for k, combine in ENGINE_STATS.items() if all(k in s for s in stats)})
     rows = sum(s["decode_rows"] for s in stats)
     kept = sum(s["row_utilization"] * s["decode_rows"] for s in stats if s["decode_rows"])
     out["row_utilization"] = kept / rows if rows else float("nan")

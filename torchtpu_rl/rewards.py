@@ -2,8 +2,9 @@
 
 A reward function is called as ``fn(prompts=[...], completions=[...], **columns)`` and
 returns one value per sample: a number, or ``None`` when the reward does not apply to that
-sample. ``columns`` are the dataset's other columns (one list per column, aligned with the
-samples) plus ``completion_ids`` (the generated token ids). Functions should accept
+sample (for multi-turn episodes ``completions`` are message lists: the conversation after the
+prompt; :func:`completion_text` reads its last assistant message). ``columns`` are the dataset's
+other columns (one list per column, aligned with the samples) plus ``completion_ids`` (the generated token ids). Functions should accept
 ``**kwargs`` for the columns they do not use.
 
 :class:`RewardSet` combines several with weights: a sample's reward is the weighted sum of
@@ -19,6 +20,8 @@ Built-ins (:data:`BUILTINS`, by name on the command line):
   the text after ``####``, else the last number; references are read the same way (GSM8K's
   ``#### 72``, MATH's ``\\boxed{}``) and compared as numbers when both are numbers.
 - ``format``: :func:`regex_format` -- 1.0 when the completion matches a regular expression.
+- ``env_reward``: :func:`env_reward` -- a multi-turn episode's environment reward (``--env``; added
+  first by ``train.py`` when an environment is given).
 - ``length_penalty``: :func:`length_penalty` -- 0 up to a soft limit, then down to -1 at the
   hard limit (DAPO's overlong shaping), in tokens of ``completion_ids``.
 
@@ -41,6 +44,8 @@ __all__ = [
     "RewardFunctionError",
     "RewardLengthError",
     "RewardSet",
+    "completion_text",
+    "env_reward",
     "extract_answer",
     "length_penalty",
     "math_answer",
@@ -124,6 +129,23 @@ def _same_answer(pred: str, ref: str) -> bool:
 REFERENCE_COLUMNS = ("answer", "solution", "ground_truth")
 
 
+def completion_text(completion) -> str:
+    """A completion as text: itself, or for a conversation (a list of messages, multi-turn episodes) the
+    content of its last assistant message."""
+    if isinstance(completion, (list, tuple)):
+        said = [m.get("content") or "" for m in completion if isinstance(m, dict) and m.get("role") == "assistant"]
+        return str(said[-1]) if said else ""
+    return "" if completion is None else str(completion)
+
+
+def env_reward(prompts, completions, env_reward=None, **_) -> list:
+    """The environment's reward of each multi-turn episode (the sum of what its ``step`` returned; None
+    where it gave none): the ``env_reward`` column the scorer adds for episodes."""
+    if env_reward is None:
+        raise KeyError("env_reward applies to multi-turn episodes (--env); these samples have no env_reward column")
+    return list(env_reward)
+
+
 def math_answer(prompts, completions, **columns) -> list:
     """1.0 when a completion's final answer equals the reference answer, else 0.0; None for a sample
     without a reference. The reference column is the first of ``answer``, ``solution``,
@@ -138,7 +160,7 @@ def math_answer(prompts, completions, **columns) -> list:
         if ref_ans is None or ref_ans == "":
             out.append(None)
             continue
-        pred = extract_answer(completion)
+        pred = extract_answer(completion_text(completion))
         out.append(1.0 if pred is not None and _same_answer(pred, ref_ans) else 0.0)
     return out
 
@@ -153,8 +175,8 @@ def regex_format(pattern: str, *, fullmatch: bool = False, flags: int = re.DOTAL
 
     def fn(prompts, completions, **_):
         if fullmatch:
-            return [1.0 if rx.fullmatch(c.strip()) else 0.0 for c in completions]
-        return [1.0 if rx.search(c) else 0.0 for c in completions]
+            return [1.0 if rx.fullmatch(completion_text(c).strip()) else 0.0 for c in completions]
+        return [1.0 if rx.search(completion_text(c)) else 0.0 for c in completions]
 
     fn.__name__ = name
     fn.__qualname__ = name
@@ -187,6 +209,7 @@ DEFAULT_FORMAT = r"(\\boxed\{.+\}|####\s*\S+)"
 # name -> factory(options) -> reward function; options are the run's settings (max_new_tokens, ...)
 BUILTINS = {
     "math_answer": lambda opts: math_answer,
+    "env_reward": lambda opts: env_reward,
     "format": lambda opts: regex_format(opts.get("format_regex") or DEFAULT_FORMAT),
     "length_penalty": lambda opts: length_penalty(opts.get("max_new_tokens") or 256, opts.get("length_buffer")),
 }

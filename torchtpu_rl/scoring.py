@@ -70,9 +70,16 @@ class Scorer:
         if tokenizer is None:
             return self.score(batch.prompts(), responses, metas, step)
         texts = [dataset.text(idx) for idx, _, _ in items for _ in range(group_size)]
-        completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
         metas = [{**(m if isinstance(m, dict) else {"metadata": m}), "completion_ids": r}
                  for m, r in zip(metas, responses)]
+        if batch.episodes is not None:
+            # multi-turn episodes: the completion is the conversation after the prompt, as messages (TRL's
+            # form for chat data); the environment's reward is the env_reward column (rewards.env_reward)
+            completions = [e["messages"] for e in batch.episodes]
+            for m, e in zip(metas, batch.episodes):
+                m.update(env_reward=e["env_reward"], turns=e["turns"], tool_calls=e["tool_calls"])
+        else:
+            completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
         return self.score(texts, completions, metas, step)
 
     def score(self, prompts, responses, metas, step: int) -> tuple:

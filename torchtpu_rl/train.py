@@ -96,6 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-reward-error-fraction", type=float, default=0.5,
                    help="with --on-reward-error continue: stop anyway when more than this fraction of a step's "
                         "samples fail (a reward failing everywhere would train on zeros)")
+    g = p.add_argument_group("multi-turn episodes: environments and tools (docs/rl.md, 'Agentic RL')")
+    g.add_argument("--env", help="an environment, one instance per episode: a built-in (math_feedback, echo_turns), "
+                                 "MODULE:CLASS or FILE.py:CLASS with reset(row) -> str | None and step(completion) -> "
+                                 "(observation, reward, done); its rewards train (no --reward needed)")
+    g.add_argument("--tools", action="append", default=None,
+                   help="tools the model calls with <tool_call>{json}</tool_call>: built-ins (calculator, python), "
+                        "MODULE:FUNCTION or FILE.py:FUNCTION with a JSON schema (type hints and an Args: docstring); "
+                        "repeatable or comma-separated; run in a sandbox")
+    g.add_argument("--max-turns", type=int, default=None, help="assistant turns per episode (default 4)")
+    g.add_argument("--max-episode-tokens", type=int, default=None,
+                   help="tokens after the prompt per episode (assistant turns and observations)")
+    g.add_argument("--max-episode-seconds", type=float, default=None, help="wall time per episode")
+    g.add_argument("--tool-timeout-s", type=float, default=5.0, help="a tool call's wall-time limit (killed after)")
+    g.add_argument("--tool-cpu-s", type=int, default=5, help="a tool call's CPU-time limit")
+    g.add_argument("--tool-memory-mb", type=int, default=512, help="a tool call's memory (address-space) limit")
+    g.add_argument("--tool-max-output-bytes", type=int, default=16384, help="a tool call's result size limit")
     g = p.add_argument_group("algorithm and sampling")
     g.add_argument("--algo", choices=("grpo", "ppo"), default="grpo")
     g.add_argument("--steps", type=int, default=100, help="training steps of the whole run (a resume continues)")
@@ -707,13 +723,16 @@ def _check_inputs(args) -> dict:
         meta = _check_resume(ckpt, args, fingerprint)
     _prepare_out(args)
     chat = {"auto": None, "on": True, "off": False}[args.chat_template]
+    engine_kwargs = config.engine_kwargs()
+    episodes = _episode_spec(config, tokenizer, args) if config.episode.enabled else None
+    tools = [t.schema for t in episodes.tools] if episodes is not None else None  # rendered into the prompts
     dataset = load_prompts(args.data, tokenizer, args.prompt_key, max_prompt_tokens=args.max_prompt_tokens,
-                           on_long_prompt=args.on_long_prompt, chat_template=chat, seed=args.seed)
+                           on_long_prompt=args.on_long_prompt, chat_template=chat, seed=args.seed, tools=tools)
     eval_set = None
     if args.eval_data:
         eval_set = load_prompts(args.eval_data, tokenizer, args.prompt_key, max_prompt_tokens=args.max_prompt_tokens,
                                 on_long_prompt=args.on_long_prompt, chat_template=chat, seed=args.seed, shuffle=False,
-                                limit=args.eval_limit)
+                                limit=args.eval_limit, tools=tools)
     opts = {"max_new_tokens": args.max_new_tokens, "format_regex": args.format_regex,
             "length_buffer": args.length_buffer}
     specs = list(args.reward or [])
@@ -723,6 +742,13 @@ def _check_inputs(args) -> dict:
         specs.append("length_penalty")
         weights.append(1.0)
     rewards = [resolve_reward(r, **opts) if isinstance(r, str) else _named_reward(r) for r in specs]
+    if episodes is not None:
+        engine_kwargs["episodes"] = episodes
+        if config.episode.env is not None:  # the environment's reward first: eval accuracy reads it
+            from .rewards import env_reward
+
+            rewards.insert(0, ("env_reward", env_reward))
+            weights.insert(0, 1.0)
     stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     gen_eos = hf.generation_eos_ids(args.model)
     stops.update(gen_eos)
@@ -730,7 +756,38 @@ def _check_inputs(args) -> dict:
                               top_p=args.top_p, stop_token_ids=tuple(sorted(stops)))
     return dict(config=config, tokenizer=tokenizer, fingerprint=fingerprint, ckpt=ckpt, meta=meta, dataset=dataset,
                 eval_set=eval_set, lora=lora, rewards=rewards, weights=weights, sampling=sampling,
-                engine_kwargs=config.engine_kwargs(), learner_kwargs=config.learner_kwargs())
+                engine_kwargs=engine_kwargs, learner_kwargs=config.learner_kwargs())
+
+
+def _episode_spec(config, tokenizer, args):
+    """The rollout workers' :class:`~torchtpu_rl.episodes.EpisodeSpec`: the environment class and the tools
+    resolved and checked here (a bad class, a tool without a schema, a template that cannot render tools:
+    a TrainError naming the flag, before Ray starts)."""
+    from .environments import resolve_env
+    from .episodes import EpisodeSpec
+    from .sandbox import SandboxLimits
+    from .tools import check_template_renders_tools, resolve_tools
+
+    ep = config.episode
+    env = None
+    if ep.env is not None:
+        resolve_env(ep.env)  # raises naming --env
+        target, sep, attr = ep.env.rpartition(":")
+        # a file path travels absolute: the actors' working directory is not this one
+        env = f"{os.path.abspath(target)}:{attr}" if sep and target.endswith(".py") else ep.env
+    tools = resolve_tools(ep.tools or [])
+    chat = args.chat_template != "off" and bool(getattr(tokenizer, "chat_template", None))
+    if tools:
+        if not chat:
+            raise TrainError("--tools needs the tokenizer's chat template (it renders the tools and their results); "
+                             f"this run has --chat-template {args.chat_template} and a tokenizer "
+                             f"{'with' if getattr(tokenizer, 'chat_template', None) else 'without'} one")
+        check_template_renders_tools(tokenizer, tools)
+    limits = SandboxLimits(timeout_s=ep.tool_timeout_s, cpu_s=ep.tool_cpu_s, memory_mb=ep.tool_memory_mb,
+                           max_output_bytes=ep.tool_max_output_bytes)
+    return EpisodeSpec(tokenizer=tokenizer, env=env, tools=tuple(tools), max_turns=ep.max_turns,
+                       max_episode_tokens=ep.max_episode_tokens, max_episode_seconds=ep.max_episode_seconds,
+                       max_context_tokens=config.rollout.max_prompt_tokens, chat=chat, sandbox=limits)
 
 
 def _save(driver, topo, args, fingerprint, out_ckpts: str) -> str:

@@ -63,6 +63,7 @@ def rollout_engine(engine_kwargs: Optional[dict]) -> tuple:
     chosen engine does not take is a ValueError naming it, raised where the topology is made (the
     driver's process), not inside an actor."""
     kw = dict(engine_kwargs or {})
+    kw.pop("episodes", None)  # the worker's, not the engine's (an episodes.EpisodeSpec)
     engine = kw.pop("engine", "static")
     if engine not in ENGINES:
         raise ValueError(f"rollout engine must be one of {ENGINES}, not {engine!r}")
@@ -91,6 +92,13 @@ class RolloutWorker:
         self.worker_index = int(worker_index)
         model = policy_fn()
         self.engine = cls(model, pad_id, device=device, policy_version=-1, **kw)
+        # engine_kwargs["episodes"] (an EpisodeSpec): each prompt is a multi-turn episode (episodes.py)
+        spec = (engine_kwargs or {}).get("episodes")
+        self.episodes = None
+        if spec is not None:
+            from .episodes import EpisodeRunner
+
+            self.episodes = EpisodeRunner(spec)
         self.receiver = ws.WeightReceiver(device="tpu" if torch.device(device).type == "tpu" else "cpu")
         self.version = -1  # no weights from the learner yet
         self._order = InOrder()  # its lock is the generation lock
@@ -116,14 +124,27 @@ class RolloutWorker:
                 _seed_all(request.seed)
                 if self.engine_name == "serving":  # its draws are keyed by a request seed, not torch's RNG
                     self.engine.seed = int(request.seed)
-                batch = self.engine.generate(request.prompts, request.params, policy_version=self.version)
+                if self.episodes is not None:
+                    batch = self.episodes.run(self.engine, request.prompts, request.rows, request.params,
+                                              self.version, reseed=self._reseed(request.seed))
+                    last = self.episodes.last_stats
+                else:
+                    batch = self.engine.generate(request.prompts, request.params, policy_version=self.version)
+                    last = self.engine.last_stats
                 version = self.version
-                stats = {k: v for k, v in self.engine.last_stats.items() if isinstance(v, (int, float))}
+                stats = {k: v for k, v in last.items() if isinstance(v, (int, float))}
             finally:
                 self._generating = None
             self.counts["generate_calls"] += 1
         return RolloutResult(request.request_id, batch.state(), version, self.worker_index, os.getpid(),
                              time.perf_counter() - t0, batch.num_response_tokens, stats)
+
+    def _reseed(self, seed: int):
+        """Each turn of an episode run draws from its own seed (the serving engine keys draws by it)."""
+        def reseed(turn: int) -> None:
+            if self.engine_name == "serving":
+                self.engine.seed = int(seed) + 1_000_003 * turn
+        return reseed
 
     # ------------------------------------------------------------ weight updates
     def _install(self, version: int, tensors: dict, seq: Optional[int]) -> dict:
