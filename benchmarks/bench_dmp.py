@@ -1,4 +1,5 @@
-"""A TorchRec DMP training step on 2 processes: tpu (torchtpu_rec sharders, "tpu" backend) vs TorchRec on CPU.
+"""A TorchRec DMP training step on 1 or 2 processes: tpu (torchtpu_rec sharders, "tpu" backend) vs TorchRec on
+CPU and vs the pure-JAX twin of the same step (bench_rec_jax_twin.py).
 
 Same model (TorchRec's DLRM: 4 embedding tables sharded table-wise, fused row-wise Adagrad in the backward,
 a small dense part trained with Adam under DDP), same batches, both in one run:
@@ -12,12 +13,17 @@ a small dense part trained with Adam under DDP), same batches, both in one run:
 * ``tpu_before`` (``--before``): the tpu step with per-parameter eager Adam and the descriptor exchange
   before the KJT lengths/ids all-to-alls (the previous state), for a before/after from the same run.
 
-Both (all three) models live in the same 2 processes and are timed in interleaved blocks, so they see
+* ``jax_twin`` (``--twin``): the same model, batches (rank 0's) and optimizers written directly in JAX as
+  one ``jax.jit`` (bench_rec_jax_twin.py), in its own process after the others: XLA's own limit for this
+  step on the same backend. At ``--world 2`` the twin is one process with rank 0's batch: a per-process
+  figure (the DMP step also pays the all-to-alls and DDP's all-reduce, which the twin has none of).
+
+The torch models live in the same ``--world`` processes and are timed in interleaved blocks, so they see
 the same machine load. Reports the median block's ms per step, wall and process CPU time (rank 0; a
 step includes input dist, lookup, output dist, backward with the fused table update, DDP all-reduce,
 the dense optimizer and ``loss.item()``) and tpu/cpu ratios of both.
 
-    python benchmarks/bench_dmp.py --out runs/bench_dmp.json [--quick] [--before] [--profile]
+    python benchmarks/bench_dmp.py --out runs/bench_dmp.json [--world 1|2] [--twin] [--quick] [--before] [--profile]
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ pin_threads(early_threads())
 
 import torch  # noqa: E402
 
-WORLD = 2
+WORLD = 2  # --world sets it (in each spawned process too: it travels in the config)
 
 
 def _build(variant, cfg, rank, pg):
@@ -104,6 +110,8 @@ def _build(variant, cfg, rank, pg):
 
 
 def _worker(rank, port, cfg, out_q):
+    global WORLD
+    WORLD = cfg["world"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import logging
     import warnings
@@ -190,26 +198,42 @@ DEVICES = ("tpu", "tpu_compiled", "cpu")
 
 
 def _run(cfg):
-    return spawn_ranks(_worker, WORLD, cfg)
+    return spawn_ranks(_worker, cfg["world"], cfg)
+
+
+def _run_twin(cfg, threads):
+    """bench_rec_jax_twin.py in its own process (no torchtpu there: x64 stays off)."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, os.path.join(here, "bench_rec_jax_twin.py"), "--config", json.dumps(cfg),
+                          "--threads", str(threads)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main():
-    p = argparse.ArgumentParser(description="DMP training step on 2 processes: tpu vs TorchRec CPU")
+    p = argparse.ArgumentParser(description="DMP training step: tpu vs TorchRec CPU and the pure-JAX twin")
     p.add_argument("--out", default="runs/bench_dmp.json")
     p.add_argument("--quick", action="store_true", help="small and short (< 60 s on a quiet machine)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--before", action="store_true",
                    help="also run the previous tpu step (per-parameter Adam, checked KJT all-to-alls), interleaved")
     p.add_argument("--profile", action="store_true", help="also time the parts of rank 0's tpu step and cProfile it")
+    p.add_argument("--world", type=int, default=2, choices=(1, 2), help="processes of the DMP steps")
+    p.add_argument("--twin", action="store_true", help="also run the pure-JAX twin (bench_rec_jax_twin.py)")
     a = p.parse_args()
-    cfg = dict(tables=4, rows=20000, dim=32, batch=512, ids=4, warmup=3, iters=10, repeats=4)
+    cfg = dict(tables=4, rows=20000, dim=32, batch=512, ids=4, warmup=3, iters=10, repeats=4, world=a.world)
     if a.quick:
         cfg.update(rows=2000, dim=16, batch=128, warmup=2, iters=4, repeats=3)
     if a.profile:
         cfg["profile"] = True
     if a.before:
         cfg["before"] = True
+    global WORLD
+    WORLD = a.world
     res = _run(cfg)
+    if a.twin:
+        res["jax_twin"] = _run_twin(cfg, a.threads)
     prof = res.pop("profile", None)
     ratio = res["tpu"]["ms_per_step"] / res["cpu"]["ms_per_step"]
     cpu_ratio = res["tpu"]["cpu_ms_per_step"] / res["cpu"]["cpu_ms_per_step"]
@@ -227,6 +251,15 @@ def main():
     print(f"dense part compiled (compile_dense): tpu {c['ms_per_step']:.1f} ms ({c['cpu_ms_per_step']:.1f} ms CPU); "
           f"tpu_compiled/cpu wall {out['tpu_compiled_over_cpu_time']:.2f}, "
           f"process CPU {out['tpu_compiled_over_cpu_process_cpu_time']:.2f}")
+    if "jax_twin" in res:
+        j = res["jax_twin"]
+        for d in ("tpu", "tpu_compiled", "cpu"):
+            out[f"{d}_over_jax_twin_time"] = res[d]["ms_per_step"] / j["ms_per_step"]
+            out[f"{d}_over_jax_twin_process_cpu_time"] = res[d]["cpu_ms_per_step"] / j["cpu_ms_per_step"]
+        print(f"pure-JAX twin (one jax.jit, own process{', rank 0 batch only' if WORLD > 1 else ''}): "
+              f"{j['ms_per_step']:.1f} ms ({j['cpu_ms_per_step']:.1f} ms CPU), first step {j['first_step_s']:.1f} s; "
+              + "; ".join(f"{d}/twin wall {out[f'{d}_over_jax_twin_time']:.2f}, process CPU "
+                          f"{out[f'{d}_over_jax_twin_process_cpu_time']:.2f}" for d in ("tpu", "tpu_compiled", "cpu")))
     if "tpu_before" in res:
         b = res["tpu_before"]
         out["tpu_before_over_cpu_time"] = b["ms_per_step"] / res["cpu"]["ms_per_step"]

@@ -5,12 +5,14 @@ on tpu (where those ops are XLA programs, ``torchtpu/jagged.py``).
 One HSTU block on jagged rows ``x`` ([total_L, D], one sequence per user, ``offsets``)::
 
     U, V, Q, K = split(SiLU(W1 · LayerNorm(x)))
-    A          = SiLU(Q Kᵀ + rab_pos(i - j) + rab_time(bucket(t_i - t_j))) / N · causal mask
+    A          = SiLU(Q Kᵀ + rab_pos(i - j) + rab_time(bucket(t_i - t_j))) / max_len · causal mask
     y          = x + W2 · (LayerNorm(A V) ⊙ U)
 
 The pointwise (SiLU, not softmax) attention runs on the sequences padded to ``N``, the bucket of the
 batch's longest sequence (``length_policy``, pow2 by default), not to the model's maximum: one XLA
-program per bucket, and a batch of short histories costs a short program. Item embeddings come from a
+program per bucket, and a batch of short histories costs a short program. The attention is scaled by the
+model's ``max_len`` (HSTU's padded length), never by the bucket: a user's scores do not depend on the
+batch it came in. Item embeddings come from a
 TorchRec ``EmbeddingCollection`` (feature ``"item"``), so ``DistributedModelParallel(model, device=tpu)``
 shards them unchanged.
 
@@ -66,8 +68,10 @@ class RelativeBias(nn.Module):
         return self.position[:, rel].unsqueeze(0) + self.time[:, bucket].permute(1, 0, 2, 3)
 
 
-def jagged_pointwise_attention(q, k, v, timestamps, offsets, n: int, heads: int, bias: RelativeBias):
-    """HSTU's attention on jagged rows ([total_L, D] each) padded to ``n``: SiLU(QKᵀ + bias) / n, causal."""
+def jagged_pointwise_attention(q, k, v, timestamps, offsets, n: int, heads: int, bias: RelativeBias,
+                               scale_length: int | None = None):
+    """HSTU's attention on jagged rows ([total_L, D] each) padded to ``n``: SiLU(QKᵀ + bias) / scale_length
+    (default ``n``), causal."""
     total, dim = q.shape
     b = offsets.shape[0] - 1
     qkv = fbgemm.jagged_to_padded_dense(torch.cat([q, k, v], dim=1), [offsets], [n], 0.0)
@@ -78,7 +82,7 @@ def jagged_pointwise_attention(q, k, v, timestamps, offsets, n: int, heads: int,
     pos = torch.arange(n, device=q.device)
     valid = pos[None, :] < lengths[:, None]  # [B, n]
     mask = (pos[:, None] >= pos[None, :])[None] & valid[:, :, None] & valid[:, None, :]  # causal, real rows
-    weights = F.silu(scores) * mask[:, None].to(scores.dtype) / n
+    weights = F.silu(scores) * mask[:, None].to(scores.dtype) / (scale_length or n)
     out = torch.einsum("bhnm,bmhd->bnhd", weights, vp).reshape(b, n, dim)
     return fbgemm.dense_to_jagged(out, [offsets], total)[0]
 
@@ -88,7 +92,7 @@ class HSTUBlock(nn.Module):
         super().__init__()
         if dim % heads:
             raise ValueError(f"HSTUBlock: dim {dim} is not a multiple of heads {heads}")
-        self.dim, self.heads = dim, heads
+        self.dim, self.heads, self.max_len = dim, heads, max_len
         self.norm_in = nn.LayerNorm(dim)
         self.uvqk = nn.Linear(dim, 4 * dim)
         self.norm_attn = nn.LayerNorm(dim)
@@ -98,7 +102,7 @@ class HSTUBlock(nn.Module):
 
     def forward(self, x, timestamps, offsets, n: int):
         u, v, q, k = F.silu(self.uvqk(self.norm_in(x))).split(self.dim, dim=1)
-        attn = jagged_pointwise_attention(q, k, v, timestamps, offsets, n, self.heads, self.bias)
+        attn = jagged_pointwise_attention(q, k, v, timestamps, offsets, n, self.heads, self.bias, self.max_len)
         return x + self.dropout(self.proj(self.norm_attn(attn) * u))
 
 

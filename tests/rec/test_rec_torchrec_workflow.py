@@ -1,6 +1,6 @@
 """TorchRec as its users run it, on tpu: the unchanged DMP call, dmp.fused_optimizer's state,
 torch.distributed.checkpoint of the sharded state into another plan and world size, TrainPipelineSparseDist /
-TrainPipelineBase, torchrec.metrics, and the clear errors for a KJT that lacks a feature or is variable-batch.
+TrainPipelineBase, torchrec.metrics, and the clear errors for a KJT that lacks a feature or has a bad VBE inverse index.
 
 One 2-process spawn on the tpu backend runs every check (each is its own test item below). The model is
 TorchRec's DLRM (in DLRMTrain, as TorchRec's DLRM example trains it) with 3 tables built on the meta device.
@@ -349,10 +349,12 @@ def _worker(rank, port, tmpdir):
                                     lengths=torch.tensor([1, 0, 1, 0, 0, 1, 0, 0]))
         with pytest.raises(ValueError, match="'f2' \\(table 't2'\\)"):
             dmp(type(ok)(ok.dense_features, missing, ok.labels).to(tpu))
+        # VBE runs (tests/rec/test_rec_vbe.py); an inverse index past its feature's batch size is named
+        inverse = torch.zeros(3, B, dtype=torch.long)
+        inverse[2, 1] = 1  # f2 has one bag
         vbe = KeyedJaggedTensor(keys=FEATURES, values=torch.zeros(9, dtype=torch.long), lengths=torch.ones(9, dtype=torch.long),
-                                stride_per_key_per_rank=[[4], [4], [1]],
-                                inverse_indices=(FEATURES, torch.zeros(3, B, dtype=torch.long)))
-        with pytest.raises(NotImplementedError, match="VBE.*'f2': 1"):
+                                stride_per_key_per_rank=[[4], [4], [1]], inverse_indices=(FEATURES, inverse))
+        with pytest.raises(IndexError, match="'f2': inverse index 1 of sample 1 is out of range for its batch size 1"):
             dmp(type(ok)(ok.dense_features, vbe, ok.labels).to(tpu))
         # raised before any collective: the group is still in step
         dist.barrier()

@@ -12,6 +12,7 @@ from .embedding import (
     TPUShardedEmbeddingCollection,
 )
 from .kernel import TPU_COMPUTE_KERNELS, TPUBatchedEmbedding, TPUBatchedEmbeddingBag
+from .mc import TPUManagedCollisionCollectionSharder, tpu_mc_ebc_sharder
 from . import dmp as _dmp
 from .dmp import compile_dense, tpu_data_parallel_wrapper
 from . import planner as _planner
@@ -33,5 +34,7 @@ __all__ = [
     "TPU_SEQUENCE_SHARDING_TYPES",
     "TPUShardedEmbeddingCollection",
     "tpu_sharders",
+    "tpu_mc_ebc_sharder",
+    "TPUManagedCollisionCollectionSharder",
     "TPUShardedEmbeddingBagCollection",
 ]

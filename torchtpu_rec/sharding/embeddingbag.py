@@ -34,6 +34,7 @@ from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
+from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -73,10 +74,11 @@ def tpu_placements(params: Dict[str, ParameterSharding]) -> Dict[str, ParameterS
     return params
 
 
-def check_kjt(module: str, configs, features: KeyedJaggedTensor) -> None:
-    """Refuse, before any collective, a KJT that lacks a feature of ``configs`` (the module's tables) or has a
-    variable batch size per feature (VBE), naming the features and their tables. Every rank runs this on its
-    own batch: when all ranks' batches share the fault (one data pipeline), every rank raises it."""
+def check_kjt(module: str, configs, features: KeyedJaggedTensor, variable_batch: bool = False) -> None:
+    """Refuse, before any collective, a KJT that lacks a feature of ``configs`` (the module's tables), or has a
+    variable batch size per feature (VBE) where ``variable_batch`` is False, naming the features and their
+    tables. Every rank runs this on its own batch: when all ranks' batches share the fault (one data
+    pipeline), every rank raises it."""
     keys = features.keys()
     present = set(keys)
     missing = [(f, c.name) for c in configs for f in c.feature_names if f not in present]
@@ -85,7 +87,7 @@ def check_kjt(module: str, configs, features: KeyedJaggedTensor) -> None:
             f"torchtpu_rec: {module}: the KeyedJaggedTensor lacks features "
             f"{', '.join(f'{f!r} (table {t!r})' for f, t in missing)}; it has {list(keys)}. Every feature of a sharded "
             "module must be in every batch (a feature without ids has length 0)")
-    if features.variable_stride_per_key():
+    if features.variable_stride_per_key() and not variable_batch:
         strides = dict(zip(keys, features.stride_per_key()))
         common = max(set(strides.values()), key=list(strides.values()).count)
         odd = {f: b for f, b in strides.items() if b != common}
@@ -93,6 +95,55 @@ def check_kjt(module: str, configs, features: KeyedJaggedTensor) -> None:
             f"torchtpu_rec: {module}: variable batch size per feature (VBE) is not supported on tpu: features "
             f"{odd} have another batch size than the others ({common}); batch sizes per feature: {strides}. "
             "Give every feature the same batch size (stride)")
+
+
+def expand_variable_batch(module: str, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """A VBE KJT (a batch size per feature, ``inverse_indices`` mapping each sample of the full batch to
+    its feature's bag) as the plain KJT of the full batch: sample b of feature f gets the ids (and
+    weights) of bag ``inverse_indices[f][b]``. On the host, before the input dist.
+
+    Pooled outputs equal TorchRec's VBE outputs (which pool each bag once, then index the pooled rows by
+    the inverse indices), and so do the gradients: a bag's rows get the sum of the gradients of the
+    samples that share it, either way. What it gives up is VBE's saving (each deduplicated bag is looked
+    up once per sample that uses it)."""
+    inverse = features.inverse_indices_or_none()
+    keys = list(features.keys())
+    if inverse is None:
+        raise ValueError(f"torchtpu_rec: {module}: the KeyedJaggedTensor has a variable batch size per feature "
+                         f"(batch sizes {dict(zip(keys, features.stride_per_key()))}) but no inverse_indices; "
+                         "TorchRec needs them to give every sample its feature's bag")
+    inv_keys, inv = inverse
+    if list(inv_keys) != keys:
+        index = {k: i for i, k in enumerate(inv_keys)}
+        missing = [k for k in keys if k not in index]
+        if missing:
+            raise ValueError(f"torchtpu_rec: {module}: inverse_indices lack features {missing} "
+                             f"(they name {list(inv_keys)})")
+        inv = inv[torch.tensor([index[k] for k in keys])]
+    inv = inv.to(HOST).long()
+    strides = torch.tensor(features.stride_per_key(), dtype=torch.long)
+    if inv.dim() != 2 or inv.shape[0] != len(keys):
+        raise ValueError(f"torchtpu_rec: {module}: inverse_indices of shape {tuple(inv.shape)}: want "
+                         f"[{len(keys)} features, batch size]")
+    bad = (inv < 0) | (inv >= strides[:, None])
+    if bool(bad.any()):
+        f = int(bad.any(1).nonzero()[0])
+        b = int(bad[f].nonzero()[0])
+        raise IndexError(f"torchtpu_rec: {module}: feature {keys[f]!r}: inverse index {int(inv[f, b])} of sample "
+                         f"{b} is out of range for its batch size {int(strides[f])}")
+    lengths = features.lengths().to(HOST).long()
+    bag_start = torch.cat([torch.zeros(1, dtype=torch.long), strides.cumsum(0)[:-1]])
+    bags = (inv + bag_start[:, None]).reshape(-1)  # each full-batch sample's bag in the flat bag order
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    new_lengths = lengths[bags]
+    n = int(new_lengths.sum())
+    new_offsets = torch.cat([torch.zeros(1, dtype=torch.long), new_lengths.cumsum(0)[:-1]])
+    within = torch.arange(n) - new_offsets.repeat_interleave(new_lengths)
+    take = offsets[:-1][bags].repeat_interleave(new_lengths) + within
+    weights = features.weights_or_none()
+    return KeyedJaggedTensor(keys=keys, values=features.values().to(HOST)[take], lengths=new_lengths,
+                             weights=None if weights is None else weights.to(HOST)[take],
+                             stride=int(inv.shape[1]))
 
 
 class _PooledTPUMixin:
@@ -157,6 +208,18 @@ class TPUShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     # forward() sends the KJT lengths/ids without the tpu backend's descriptor exchange (their split
     # sizes were just exchanged); False keeps the exchange (benchmarks/bench_dmp.py --before measures it)
     _agreed_kjt_dist = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # TorchRec divides the whole output by a per-feature divisor when a MEAN table is row-wise sharded,
+        # and sets the divisor to 1 only for the SUM features of row-wise tables: a SUM feature of a
+        # table-wise, column-wise or data-parallel table would be divided by its bag sizes (and a MEAN one,
+        # already averaged by its kernel, twice). Every feature but the row-wise MEAN ones takes divisor 1.
+        by_pooling = self._pooling_type_to_rs_features
+        if PoolingType.MEAN.value in by_pooling:
+            row_wise_mean = set(by_pooling[PoolingType.MEAN.value])
+            by_pooling[PoolingType.SUM.value] = [f for c in self._embedding_bag_configs for f in c.feature_names
+                                                 if f not in row_wise_mean]
 
     @classmethod
     def create_embedding_bag_sharding(
@@ -232,9 +295,11 @@ class TPUShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return self.compute_and_output_dist(ctx, tensors.wait())
 
     def input_dist(self, ctx, features):
-        check_kjt("EmbeddingBagCollection", self._embedding_bag_configs, features)
+        check_kjt("EmbeddingBagCollection", self._embedding_bag_configs, features, variable_batch=True)
         if features.values().device.type != "cpu":
             features = features.to(HOST)
+        if features.variable_stride_per_key():
+            features = expand_variable_batch("EmbeddingBagCollection", features)
         dim_per_key = self._dim_per_key
         if dim_per_key is not None and dim_per_key.device.type != "cpu":
             self._dim_per_key = dim_per_key.cpu()  # used with the host lengths for the mean divisor

@@ -150,11 +150,33 @@ class TPUTableBatchedEmbeddings(nn.Module):
         """Build the group's kernel and its optimizer state (``optimizer`` None: DENSE)."""
         layouts = self._build_stacks(optimizer or OptimizerSpec())
         kernel = GroupKernel(layouts, self.pooled, self._out_slots if self.pooled else ())
+        self._fused = fused
         self._states = []
         for shapes, st in zip(kernel.state_shapes() if fused else [{}] * len(layouts), layouts):
             init = init_accumulator if st.optimizer.kind in ("adagrad", "rowwise_adagrad") else 0.0
             self._states.append([torchtpu.from_jax(jnp.full(shape, init, jnp.float32)) for shape in shapes.values()])
         self.tables = KernelTables(kernel, lambda: [self.weights], lambda: self._states, fused=fused)
+
+    def reset_embedding_weight_momentum(self, pruned_indices: torch.Tensor, pruned_indices_offsets: torch.Tensor,
+                                        logical_table_ids: torch.Tensor, buffer_ids: torch.Tensor) -> None:
+        """fbgemm's TBE method that managed collisions call when they evict ids: the optimizer state of the
+        evicted rows restarts (TorchRec re-initializes their weights itself). As fbgemm: only row-wise
+        Adagrad's accumulator is reset; a table without a fused optimizer raises."""
+        if not getattr(self, "_fused", False):
+            raise NotImplementedError("torchtpu_rec: resetting the optimizer state of evicted rows needs a fused "
+                                      f"optimizer (tables {self._table_names} have none)")
+        offsets = pruned_indices_offsets.cpu().tolist()
+        for k, t in enumerate(logical_table_ids.cpu().tolist()):
+            si, row0 = self._table_stack[t]
+            if self._stacks[si].optimizer.kind != "rowwise_adagrad":
+                continue
+            rows = pruned_indices[offsets[k]:offsets[k + 1]].cpu().long()
+            if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.embedding_specs[t][0]):
+                raise IndexError(f"torchtpu_rec: table {self._table_names[t]!r}: evicted rows {rows.tolist()} "
+                                 f"out of its {self.embedding_specs[t][0]} rows")
+            with torch.no_grad():
+                for state in self._states[si]:
+                    state[(rows + row0).to(state.device)] = 0.0
 
     def split_embedding_weights(self) -> List[torch.Tensor]:
         return [self.weights.detach()[o: o + r * c].view(r, c)
