@@ -28,7 +28,7 @@ from ..base.frames import WARN_COUNT, user_site
 from ..runtime import checks
 from ..runtime import layout as _layout
 from ..runtime.modes import deferring
-from ..runtime.recorder import RECORDER, LazyBuf, token_of
+from ..runtime.recorder import RAN, RECORDER, LazyBuf, token_of
 from ..runtime.storage import new_tensor, storage_data, to_device
 from . import storm
 from .lowering import Lowering
@@ -195,6 +195,15 @@ class Kernel:
         return self._call(args, kwargs)
 
     def _call(self, args, kwargs):
+        if deferring():
+            # the whole call under the recorder's lock (threading model: docs/architecture.md): the
+            # buffers read for the key are the ones recorded, and the outputs are held by their
+            # storages before another thread's flush decides which pending buffers are live
+            with _RECORDER_LOCK:
+                return self._dispatch(args, kwargs, True)
+        return self._dispatch(args, kwargs, False)
+
+    def _dispatch(self, args, kwargs, defer):
         if kwargs:
             vals = self.bind(args, kwargs)
         else:
@@ -230,13 +239,20 @@ class Kernel:
                 generator = v
             else:  # tensor lists
                 append_key(tuple([None if x is None else tkey(x, bufs, dyn) for x in v]))
+        if not defer:
+            for b in bufs:
+                if type(b) is LazyBuf:
+                    bufs = self._concrete(bufs, args, kwargs)
+                    if bufs is None:
+                        return self._dispatch(args, kwargs, False)
+                    break
         if self.lowering.random:
             dyn.append(_next_key_data(generator))
         key = tuple(key)
         entry = self.cache.get(key)
         if entry is None and storm.POLICY.executables is not None and len(self.cache) >= storm.POLICY.executables:
             # under DeferAndFuse only with nothing pending: the host copies would flush the graph
-            numel = -1 if RECORDER.pending else sum(b.size for b in bufs)
+            numel = -1 if RECORDER.pending else sum(b.numel if type(b) is LazyBuf else b.size for b in bufs)
             if numel >= 0 and storm.run_shape_generic(self, key, numel):
                 return storm.run(self, vals)  # CPU's kernel makes CPU's checks and warnings
         warned = False
@@ -251,7 +267,7 @@ class Kernel:
         else:
             _record_hit()
             built = False
-        if deferring():
+        if defer:
             if entry.checks is None:  # built by the eager path, which traced it
                 self._trace(entry, vals, key)
             if entry.checks:
@@ -265,8 +281,6 @@ class Kernel:
                 RECORDER.wait_all()
                 checks.raise_pending()
         else:
-            if RECORDER.pending:  # pending work recorded in another context
-                bufs = [RECORDER.materialize(b, "materialize") if type(b) is LazyBuf else b for b in bufs]
             try:
                 outs = entry.fn(*bufs, *dyn)
             except Exception as e:
@@ -283,6 +297,24 @@ class Kernel:
                 jax.block_until_ready(outs)
                 checks.raise_pending()
         return self._wrap(vals, outs, entry)
+
+    def _concrete(self, bufs, args, kwargs):
+        """``bufs`` with pending buffers (work recorded in another context: a DeferAndFuse block,
+        another thread) computed, or None when one was replaced in its storage meanwhile by another
+        thread (then the call reads its tensors again)."""
+        with _RECORDER_LOCK:
+            RECORDER.flush("materialize")
+            out = []
+            for b in bufs:
+                if type(b) is LazyBuf:
+                    if b.value is None:
+                        if b.node.pos == RAN:  # no storage held it when its graph ran: read again
+                            return None
+                        b = RECORDER.materialize(b, "materialize")  # (raises if its graph failed)
+                    else:
+                        b = b.value
+                out.append(b)
+            return out
 
     def _tensor_key(self, t, bufs, dyn):
         # fast path, a tpu tensor: only tpu storages carry ``_tpu`` (CPU tensors and python
@@ -838,6 +870,7 @@ def _cpu_zeros(v):
         return torch.device("cpu")
     return v
 _record = RECORDER.record
+_RECORDER_LOCK = RECORDER.lock
 _record_hit = metrics.record_hit
 _META_DEVICE = torch.device("meta")
 

@@ -40,6 +40,7 @@ _set_storage = torch.ops.aten.set_.source_Storage_storage_offset._handle.redispa
 _LIVE: "weakref.WeakSet[StorageData]" = weakref.WeakSet()  # storages with a concrete buffer (synchronize)
 _ARRAY = ArrayImpl  # the concrete jax array type (fast check)
 _adopt = RECORDER.adopt
+_RECORDER_LOCK = RECORDER.lock
 
 
 class StorageData:
@@ -77,8 +78,13 @@ class StorageData:
     def buf(self):
         b = self.raw_buf
         if type(b) is LazyBuf:
-            RECORDER.materialize(b, "materialize")
-            b = self.raw_buf
+            # under the recorder's lock, until the buffer held is concrete: another thread may record
+            # a write into this storage between the flush and the read
+            with _RECORDER_LOCK:
+                while type(b := self.raw_buf) is LazyBuf:
+                    v = RECORDER.materialize(b, "materialize")
+                    if self.raw_buf is b:
+                        self.buf = v
         elif b is None:  # released (storage.resize_(0)) and used again: fresh memory, as an allocation
             self.buf = _zeros_flat(-(-self.nbytes // self.dtype.itemsize), dtypes.to_jax(self.dtype))
             b = self.raw_buf
@@ -139,7 +145,8 @@ def storage_data(t: torch.Tensor) -> StorageData:
 
 def live_buffers() -> list:
     """The concrete buffers of every live storage (what ``synchronize`` waits for)."""
-    return [sd.raw_buf for sd in list(_LIVE) if type(sd.raw_buf) is not LazyBuf]
+    sds = [r() for r in _LIVE.data.copy()]  # (a set's copy is atomic: other threads add storages meanwhile)
+    return [b for b in (sd.raw_buf for sd in sds if sd is not None) if b is not None and type(b) is not LazyBuf]
 
 
 _bitcast_cache: dict = {}
