@@ -29,7 +29,7 @@ from ..runtime import checks
 from ..runtime import layout as _layout
 from ..runtime.modes import deferring
 from ..runtime.recorder import RAN, RECORDER, LazyBuf, token_of
-from ..runtime.storage import new_tensor, storage_data, to_device
+from ..runtime.storage import new_output, new_tensor, storage_data, to_device
 from . import storm
 from .lowering import Lowering
 
@@ -87,7 +87,7 @@ def _meta_leaf(t):
 class _Entry:
     """One compiled form of a kernel: the jitted function and how to wrap its outputs."""
 
-    __slots__ = ("fn", "out_meta", "single", "flat", "treedef", "out_numels", "token", "checks")
+    __slots__ = ("fn", "out_meta", "single", "flat", "treedef", "out_numels", "token", "checks", "out_layouts")
 
     def __init__(self, fn, out_meta, out_numels):
         self.fn = fn
@@ -103,6 +103,19 @@ class _Entry:
                         else pytree.tree_flatten(out_meta, is_leaf=_is_meta_leaf))
         self.out_numels = out_numels  # flat length of each output buffer (for pending buffers)
         self.token = token_of(self)
+        # (size, strides, byte size, dtype) of each output of a single or flat result, worked out once
+        leaves = (out_meta,) if self.single else (out_meta if self.flat else ())
+        self.out_layouts = tuple(_out_layout(m) for m in leaves)
+
+
+def _out_layout(m):
+    size, dt = tuple(m[0]), m[1]
+    if len(m) > 2:
+        stride = tuple(m[2])
+        numel = _layout.storage_numel(size, stride, 0)
+    else:
+        stride, numel = _layout.contiguous(size)
+    return (size, stride, numel * dt.itemsize, dt)
 
 
 class Kernel:
@@ -689,9 +702,9 @@ class Kernel:
             rets = [vals[i] for i in self.returned]
             return rets[0] if len(rets) == 1 else tuple(rets)
         if entry.single:
-            return new_tensor(*entry.out_meta[:2], outs[0], *entry.out_meta[2:])
+            return new_output(*entry.out_layouts[0], outs[0])
         if entry.flat is not None:
-            tensors = [new_tensor(*m[:2], o, *m[2:]) for m, o in zip(entry.out_meta, outs)]
+            tensors = [new_output(*m, o) for m, o in zip(entry.out_layouts, outs)]
             return tensors if entry.flat is list else tuple(tensors)
         leaves, treedef = entry.treedef
         tensors = [new_tensor(*m[:2], o, *m[2:]) for m, o in zip(leaves, outs)]
