@@ -345,7 +345,8 @@ class Kernel:
                 buf = sd.buf
             bufs.append(buf)
             k = ((t.shape, t.stride(), t.storage_offset()), dt, buf.numel if type(buf) is LazyBuf else buf.size)
-            if t.is_conj() or t.is_neg():  # a lazy conj()/neg view: the executable applies the bits
+            # a lazy conj()/neg view: the executable applies the bits (only complex tensors carry the conj bit)
+            if t.is_neg() or (dt.is_complex and t.is_conj()):
                 return k + (_layout.math_bits(t),)
             return k
         return self._other_key(t, bufs, dyn)

@@ -8,7 +8,9 @@ on the device one ``[bad, first bad value]`` pair per check site. The executable
 pairs as one extra small output, and the host reads them the next time it waits
 anyway (a host read: ``.item()``, ``.cpu()``, printing; ``synchronize``), then
 raises :class:`DeviceIndexError` naming the op and the user line that issued it,
-as CUDA's device-side asserts surface at the next synchronizing call.
+as CUDA's device-side asserts surface at the next synchronizing call. Results
+belong to the thread that issued the op: it is that thread's next wait that
+raises (docs/architecture.md, "Threads").
 
 ``TORCHTPU_INDEX_CHECKS=0`` builds executables without the checks (read at
 import: executables already built keep what they were built with).
