@@ -28,8 +28,8 @@ from ..base.frames import WARN_COUNT, user_site
 from ..runtime import checks
 from ..runtime import layout as _layout
 from ..runtime.modes import deferring
-from ..runtime.recorder import RECORDER, LazyBuf, token_of
-from ..runtime.storage import new_tensor, storage_data, to_device
+from ..runtime.recorder import RAN, RECORDER, LazyBuf, token_of
+from ..runtime.storage import new_output, new_tensor, storage_data, to_device
 from . import storm
 from .lowering import Lowering
 
@@ -87,7 +87,7 @@ def _meta_leaf(t):
 class _Entry:
     """One compiled form of a kernel: the jitted function and how to wrap its outputs."""
 
-    __slots__ = ("fn", "out_meta", "single", "flat", "treedef", "out_numels", "token", "checks")
+    __slots__ = ("fn", "out_meta", "single", "flat", "treedef", "out_numels", "token", "checks", "out_layouts")
 
     def __init__(self, fn, out_meta, out_numels):
         self.fn = fn
@@ -103,6 +103,19 @@ class _Entry:
                         else pytree.tree_flatten(out_meta, is_leaf=_is_meta_leaf))
         self.out_numels = out_numels  # flat length of each output buffer (for pending buffers)
         self.token = token_of(self)
+        # (size, strides, byte size, dtype) of each output of a single or flat result, worked out once
+        leaves = (out_meta,) if self.single else (out_meta if self.flat else ())
+        self.out_layouts = tuple(_out_layout(m) for m in leaves)
+
+
+def _out_layout(m):
+    size, dt = tuple(m[0]), m[1]
+    if len(m) > 2:
+        stride = tuple(m[2])
+        numel = _layout.storage_numel(size, stride, 0)
+    else:
+        stride, numel = _layout.contiguous(size)
+    return (size, stride, numel * dt.itemsize, dt)
 
 
 class Kernel:
@@ -192,9 +205,20 @@ class Kernel:
         if tracing.ACTIVE:  # a torchtpu.profiler trace: the dispatch is an event named for the op
             with tracing.annotate(self.name):
                 return self._call(args, kwargs)
+        if not deferring():  # (the Strict Eager hit path: one frame fewer)
+            return self._dispatch(args, kwargs, False)
         return self._call(args, kwargs)
 
     def _call(self, args, kwargs):
+        if deferring():
+            # the whole call under the recorder's lock (threading model: docs/architecture.md): the
+            # buffers read for the key are the ones recorded, and the outputs are held by their
+            # storages before another thread's flush decides which pending buffers are live
+            with _RECORDER_LOCK:
+                return self._dispatch(args, kwargs, True)
+        return self._dispatch(args, kwargs, False)
+
+    def _dispatch(self, args, kwargs, defer):
         if kwargs:
             vals = self.bind(args, kwargs)
         else:
@@ -230,13 +254,20 @@ class Kernel:
                 generator = v
             else:  # tensor lists
                 append_key(tuple([None if x is None else tkey(x, bufs, dyn) for x in v]))
+        if not defer:
+            for b in bufs:
+                if type(b) is LazyBuf:
+                    bufs = self._concrete(bufs, args, kwargs)
+                    if bufs is None:
+                        return self._dispatch(args, kwargs, False)
+                    break
         if self.lowering.random:
             dyn.append(_next_key_data(generator))
         key = tuple(key)
         entry = self.cache.get(key)
         if entry is None and storm.POLICY.executables is not None and len(self.cache) >= storm.POLICY.executables:
             # under DeferAndFuse only with nothing pending: the host copies would flush the graph
-            numel = -1 if RECORDER.pending else sum(b.size for b in bufs)
+            numel = -1 if RECORDER.pending else sum(b.numel if type(b) is LazyBuf else b.size for b in bufs)
             if numel >= 0 and storm.run_shape_generic(self, key, numel):
                 return storm.run(self, vals)  # CPU's kernel makes CPU's checks and warnings
         warned = False
@@ -251,7 +282,7 @@ class Kernel:
         else:
             _record_hit()
             built = False
-        if deferring():
+        if defer:
             if entry.checks is None:  # built by the eager path, which traced it
                 self._trace(entry, vals, key)
             if entry.checks:
@@ -265,8 +296,6 @@ class Kernel:
                 RECORDER.wait_all()
                 checks.raise_pending()
         else:
-            if RECORDER.pending:  # pending work recorded in another context
-                bufs = [RECORDER.materialize(b, "materialize") if type(b) is LazyBuf else b for b in bufs]
             try:
                 outs = entry.fn(*bufs, *dyn)
             except Exception as e:
@@ -284,6 +313,24 @@ class Kernel:
                 checks.raise_pending()
         return self._wrap(vals, outs, entry)
 
+    def _concrete(self, bufs, args, kwargs):
+        """``bufs`` with pending buffers (work recorded in another context: a DeferAndFuse block,
+        another thread) computed, or None when one was replaced in its storage meanwhile by another
+        thread (then the call reads its tensors again)."""
+        with _RECORDER_LOCK:
+            RECORDER.flush("materialize")
+            out = []
+            for b in bufs:
+                if type(b) is LazyBuf:
+                    if b.value is None:
+                        if b.node.pos == RAN:  # no storage held it when its graph ran: read again
+                            return None
+                        b = RECORDER.materialize(b, "materialize")  # (raises if its graph failed)
+                    else:
+                        b = b.value
+                out.append(b)
+            return out
+
     def _tensor_key(self, t, bufs, dyn):
         # fast path, a tpu tensor: only tpu storages carry ``_tpu`` (CPU tensors and python
         # numbers raise AttributeError and take the general path below)
@@ -300,7 +347,8 @@ class Kernel:
                 buf = sd.buf
             bufs.append(buf)
             k = ((t.shape, t.stride(), t.storage_offset()), dt, buf.numel if type(buf) is LazyBuf else buf.size)
-            if t.is_conj() or t.is_neg():  # a lazy conj()/neg view: the executable applies the bits
+            # a lazy conj()/neg view: the executable applies the bits (only complex tensors carry the conj bit)
+            if t.is_neg() or (dt.is_complex and t.is_conj()):
                 return k + (_layout.math_bits(t),)
             return k
         return self._other_key(t, bufs, dyn)
@@ -657,9 +705,9 @@ class Kernel:
             rets = [vals[i] for i in self.returned]
             return rets[0] if len(rets) == 1 else tuple(rets)
         if entry.single:
-            return new_tensor(*entry.out_meta[:2], outs[0], *entry.out_meta[2:])
+            return new_output(*entry.out_layouts[0], outs[0])
         if entry.flat is not None:
-            tensors = [new_tensor(*m[:2], o, *m[2:]) for m, o in zip(entry.out_meta, outs)]
+            tensors = [new_output(*m, o) for m, o in zip(entry.out_layouts, outs)]
             return tensors if entry.flat is list else tuple(tensors)
         leaves, treedef = entry.treedef
         tensors = [new_tensor(*m[:2], o, *m[2:]) for m, o in zip(leaves, outs)]
@@ -838,6 +886,7 @@ def _cpu_zeros(v):
         return torch.device("cpu")
     return v
 _record = RECORDER.record
+_RECORDER_LOCK = RECORDER.lock
 _record_hit = metrics.record_hit
 _META_DEVICE = torch.device("meta")
 

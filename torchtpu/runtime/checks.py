@@ -8,7 +8,9 @@ on the device one ``[bad, first bad value]`` pair per check site. The executable
 pairs as one extra small output, and the host reads them the next time it waits
 anyway (a host read: ``.item()``, ``.cpu()``, printing; ``synchronize``), then
 raises :class:`DeviceIndexError` naming the op and the user line that issued it,
-as CUDA's device-side asserts surface at the next synchronizing call.
+as CUDA's device-side asserts surface at the next synchronizing call. Results
+belong to the thread that issued the op: it is that thread's next wait that
+raises (docs/architecture.md, "Threads").
 
 ``TORCHTPU_INDEX_CHECKS=0`` builds executables without the checks (read at
 import: executables already built keep what they were built with).
@@ -25,6 +27,7 @@ import threading
 
 import jax.numpy as jnp
 import numpy as np
+import torch
 
 from .recorder import RECORDER, LazyBuf
 
@@ -115,9 +118,23 @@ def site_of_stack_trace(stack_trace):
 
 
 # ---------------------------------------------------------------- run time: pending results
-_pending: list = []  # (array or LazyBuf of (k, 2), ((message, op, where), ...)), in issue order
-_lock = threading.Lock()
+# Results are kept per issuing thread, so a bad index is raised in the thread whose op it was (as a
+# CUDA error is raised on the stream that ran the kernel), never in another thread that happens to
+# wait first. An op issued inside a backward pass runs on the autograd engine's worker thread, which
+# the user never waits on: its results go to one shared list that every thread's next wait reads.
+_tls_pending = threading.local()
+_shared: list = []  # results of ops issued by backward passes
+_lock = threading.Lock()  # guards _shared (a thread's own list is touched by that thread only)
 _MAX_PENDING = 1024  # a loop that never waits: past this, the oldest half is read (long finished)
+_graph_task_id = torch._C._current_graph_task_id
+
+
+def _own() -> list:
+    """The pending results of this thread's ops: (array or LazyBuf of (k, 2), ((message, op, where), ...))."""
+    own = getattr(_tls_pending, "results", None)
+    if own is None:
+        own = _tls_pending.results = []
+    return own
 
 
 def note(result, messages, op=None, where=None) -> None:
@@ -127,21 +144,33 @@ def note(result, messages, op=None, where=None) -> None:
         messages = tuple((m, op, where) for m, _, _ in messages)
     if type(result) is LazyBuf:
         RECORDER.watch(result)
-    with _lock:
-        _pending.append((result, messages))
-        full = len(_pending) > _MAX_PENDING
+    if _graph_task_id() != -1:
+        with _lock:
+            _shared.append((result, messages))
+            full = len(_shared) > _MAX_PENDING
+    else:
+        own = _own()
+        own.append((result, messages))
+        full = len(own) > _MAX_PENDING
     if full:
         raise_pending(limit=_MAX_PENDING // 2)
 
 
 def raise_pending(limit=None) -> None:
-    """Read the check results computed so far (waiting for them) and raise the first failure.
-    Results of DeferAndFuse nodes not flushed yet stay pending."""
-    if not _pending:
-        return
-    with _lock:
-        taken = _pending[:limit] if limit is not None else list(_pending)
-        del _pending[: len(taken)]
+    """Read the check results of this thread's ops (and of backward passes) computed so far
+    (waiting for them) and raise the first failure. Results of DeferAndFuse nodes not flushed
+    yet stay pending."""
+    own = getattr(_tls_pending, "results", None)
+    if own:
+        _raise_from(own, limit, None)
+    if _shared:
+        _raise_from(_shared, limit, _lock)
+
+
+def _raise_from(pending: list, limit, lock) -> None:
+    with lock or contextlib.nullcontext():
+        taken = pending[:limit] if limit is not None else list(pending)
+        del pending[: len(taken)]
     keep = []
     failure = None
     for result, messages in taken:
@@ -162,8 +191,8 @@ def raise_pending(limit=None) -> None:
                 failure = (int(value), message, op, where)
                 break
     if keep:
-        with _lock:
-            _pending[:0] = keep
+        with lock or contextlib.nullcontext():
+            pending[:0] = keep
     if failure is not None:
         value, message, op, where = failure
         at = f"{where[0]}:{where[1]} in {where[2]}" if where else "an unknown line"
@@ -174,6 +203,8 @@ def raise_pending(limit=None) -> None:
 
 
 def clear_pending() -> None:
-    """Forget unread check results (after an error: the values they guard are gone too)."""
+    """Forget unread check results of this thread and of backward passes (after an error: the
+    values they guard are gone too)."""
+    _own().clear()
     with _lock:
-        _pending.clear()
+        _shared.clear()

@@ -45,9 +45,12 @@ def _check(mode):
 def deferring() -> bool:
     """True when ops should be recorded rather than run (on the op path: keep it cheap)."""
     m = getattr(_state, "mode", None)
-    if m is None and _scoped and _graph_task_id() != -1:
-        m = _scoped[-1]  # a backward pass: follow the block that called backward()
-    return (m or _global_mode or get_execution_mode()) == "defer_and_fuse"
+    if m is None:
+        if _scoped and _graph_task_id() != -1:
+            m = _scoped[-1]  # a backward pass: follow the block that called backward()
+        else:
+            m = _global_mode or get_execution_mode()
+    return m == "defer_and_fuse"
 
 
 def get_execution_mode() -> str:

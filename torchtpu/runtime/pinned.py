@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import sys
 
 import torch
 
@@ -65,6 +66,15 @@ def build(verbose: bool = False) -> str:
     for f in os.listdir(_BUILD_DIR):  # builds of an older source or torch
         if f.startswith("torchtpu_pinned_") and f.endswith(".so") and os.path.join(_BUILD_DIR, f) != path:
             os.remove(os.path.join(_BUILD_DIR, f))
+    # the Strict Eager hit path's C++ part is built beside the hooks (scripts/setup.sh calls this);
+    # without it the Python path runs, so its failure does not fail the hooks' build
+    from . import native
+
+    try:
+        native.build(verbose)
+    except Exception as e:  # noqa: BLE001 - reported, and the Python path serves
+        print(f"torchtpu: the C++ dispatch fast path did not build ({type(e).__name__}: {e}); "
+              "the Python path serves", file=sys.stderr)
     return path
 
 

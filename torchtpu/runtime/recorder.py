@@ -91,6 +91,11 @@ class Node:
         self.token = token
 
 
+# ``Node.pos`` of a node no longer pending: its graph failed (LOST), or ran without this buffer among
+# its outputs (RAN: no storage held it when the graph ran)
+LOST = -1
+RAN = -2
+
 _NAME_CRC: dict = {}  # op name -> its crc32 (graph signatures compared across processes)
 
 _LOST = ("torchtpu DeferAndFuse: this tensor's value was never computed: the fused graph that was to "
@@ -229,7 +234,8 @@ class Recorder:
 
     def adopt(self, sd) -> None:
         """Storage ``sd`` now holds a pending buffer: a flush computes it if ``sd`` is still alive."""
-        self._owners.append(_weakref(sd))
+        with self.lock:  # (a flush swaps the list: an append racing it would be lost)
+            self._owners.append(_weakref(sd))
 
     def watch(self, buf: LazyBuf) -> None:
         """Pending buffer ``buf`` (a device-side check's result, runtime/checks.py) is an output of
@@ -273,9 +279,13 @@ class Recorder:
     def materialize(self, buf: LazyBuf, reason: str):
         """The concrete value of pending buffer ``buf`` (flushing the pending graph if needed)."""
         if buf.value is None:
-            if buf.node.pos < 0:
-                raise RuntimeError(_LOST)
-            self.flush(reason, keep=[buf])
+            with self.lock:  # (another thread's flush may compute it meanwhile)
+                if buf.value is None:
+                    if buf.node.pos < 0:
+                        raise RuntimeError(_LOST)
+                    self.flush(reason, keep=[buf])
+                    if buf.value is None:
+                        raise RuntimeError(_LOST)
         return buf.value
 
     def flush(self, reason: str, keep=()) -> None:
@@ -426,6 +436,10 @@ class Recorder:
         for b, v in zip(live, results):
             b.value = v
             b.node = None
+        for n in nodes:
+            # a pending buffer of these nodes that was not an output has no value now: reading it must
+            # raise, never take a position in the next graph (the same numbers name other nodes there)
+            n.pos = RAN
         for sd in live_sds:
             b = sd.raw_buf
             if b.value is not None:

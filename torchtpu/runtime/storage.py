@@ -15,6 +15,7 @@ done inside jitted programs). Host transfers go through ``to_numpy_host``.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import threading
 import weakref
@@ -28,7 +29,7 @@ from jax._src.array import ArrayImpl  # the concrete array type: a type check ne
 from ..base import dtypes, metrics, platform
 from ..base.memory import MEMORY, check_allocation, is_resource_exhausted, out_of_memory_from
 from . import layout as _layout
-from . import checks
+from . import checks, native
 from .recorder import RECORDER, LazyBuf
 
 _DEV = None  # torch.device("tpu", 0), set once the backend is renamed
@@ -36,10 +37,17 @@ _CPU_KEYSET = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _create_empty = torch._C._acc.create_empty_tensor
 _make_storage = torch._C._construct_storage_from_data_pointer
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset._handle.redispatch_boxed
+_native_make_tensor = native.MODULE.make_tensor if native.MODULE is not None else None
 
-_LIVE: "weakref.WeakSet[StorageData]" = weakref.WeakSet()  # storages with a concrete buffer (synchronize)
+# weak references to the storages with a concrete buffer (what synchronize waits for): a plain set of
+# weakrefs, each removing itself when its storage dies; its operations are single C calls, so threads
+# may add while another copies it, and a WeakSet's Python-level add is avoided on every op's path
+_LIVE: set = set()
+_live_discard = _LIVE.discard
 _ARRAY = ArrayImpl  # the concrete jax array type (fast check)
+_weakref = weakref.ref
 _adopt = RECORDER.adopt
+_RECORDER_LOCK = RECORDER.lock
 
 
 class StorageData:
@@ -71,14 +79,19 @@ class StorageData:
         else:
             self.counted = True
             MEMORY.add(nbytes)
-            _LIVE.add(self)
+            _LIVE.add(_weakref(self, _live_discard))
 
     @property
     def buf(self):
         b = self.raw_buf
         if type(b) is LazyBuf:
-            RECORDER.materialize(b, "materialize")
-            b = self.raw_buf
+            # under the recorder's lock, until the buffer held is concrete: another thread may record
+            # a write into this storage between the flush and the read
+            with _RECORDER_LOCK:
+                while type(b := self.raw_buf) is LazyBuf:
+                    v = RECORDER.materialize(b, "materialize")
+                    if self.raw_buf is b:
+                        self.buf = v
         elif b is None:  # released (storage.resize_(0)) and used again: fresh memory, as an allocation
             self.buf = _zeros_flat(-(-self.nbytes // self.dtype.itemsize), dtypes.to_jax(self.dtype))
             b = self.raw_buf
@@ -93,7 +106,7 @@ class StorageData:
         elif not self.counted:
             self.counted = True
             MEMORY.add(self.nbytes)
-            _LIVE.add(self)
+            _LIVE.add(_weakref(self, _live_discard))
 
     def release(self) -> None:
         """Drop the device buffer (``storage.resize_(0)``: FSDP2 frees unsharded parameters so between
@@ -101,7 +114,7 @@ class StorageData:
         if self.counted:
             MEMORY.sub(self.nbytes)
             self.counted = False
-            _LIVE.discard(self)
+            _LIVE.discard(_weakref(self))  # (equal to the one added while self is alive)
         self.raw_buf = None
 
     @property
@@ -139,7 +152,8 @@ def storage_data(t: torch.Tensor) -> StorageData:
 
 def live_buffers() -> list:
     """The concrete buffers of every live storage (what ``synchronize`` waits for)."""
-    return [sd.raw_buf for sd in list(_LIVE) if type(sd.raw_buf) is not LazyBuf]
+    sds = [r() for r in _LIVE.copy()]  # (a set's copy is one C call: other threads add storages meanwhile)
+    return [b for b in (sd.raw_buf for sd in sds if sd is not None) if b is not None and type(b) is not LazyBuf]
 
 
 _bitcast_cache: dict = {}
@@ -197,19 +211,28 @@ def _zeros_flat(numel, jdtype):
 # Each storage gets a distinct fake data pointer so that code comparing
 # data_ptr()s (aliasing checks, dedup in serializers) sees the truth. They lie
 # in non-canonical x86-64 address space: any C++ code that dereferences one
-# faults at once instead of reading someone else's memory.
+# faults at once instead of reading someone else's memory. Storages up to
+# _SMALL_SLOT bytes (nearly every op output) take the next slot of their own
+# region from a counter (no lock: ``next`` of an itertools.count is atomic);
+# larger ones are laid end to end in the region above, under a lock.
 _FAKE_PTR_BASE = 0x7FF0 << 48
-_next_ptr = _FAKE_PTR_BASE
+_SMALL_SLOT = 1 << 20
+_SMALL_SLOTS = (0x7FF8 << 48) - _FAKE_PTR_BASE >> 20  # slots below the large region
+_small_slot = itertools.count()
+_LARGE_BASE = 0x7FF8 << 48
+_next_ptr = _LARGE_BASE
 _ptr_lock = threading.Lock()
 
 
 def _fake_ptr(nbytes):
     global _next_ptr
+    if nbytes <= _SMALL_SLOT:
+        return _FAKE_PTR_BASE + (next(_small_slot) % _SMALL_SLOTS << 20)
     with _ptr_lock:
         p = _next_ptr
         _next_ptr += (nbytes + 64) & ~63
         if _next_ptr >= (0x7FFF << 48):
-            _next_ptr = _FAKE_PTR_BASE
+            _next_ptr = _LARGE_BASE
     return p
 
 
@@ -229,8 +252,24 @@ def new_tensor(size, dtype: torch.dtype, buf=None, stride=None) -> torch.Tensor:
     if buf is None:
         check_allocation(numel * dtype.itemsize, size)  # an int64 overflow would abort inside XLA
         buf = _zeros_flat(numel, dtypes.to_jax(dtype))
+    nbytes = numel * dtype.itemsize
+    if _native_make_tensor is not None:  # one C++ call (runtime/native.py)
+        t = _native_make_tensor(size, stride, dtype, nbytes, _fake_ptr(nbytes))
+        t.untyped_storage()._tpu = StorageData(buf, nbytes, dtype)
+        return t
     t = _create_empty(_EMPTY, dtype)
-    _set_storage(_CPU_KEYSET, t, new_storage(numel * dtype.itemsize, buf, dtype), 0, size, stride)
+    _set_storage(_CPU_KEYSET, t, new_storage(nbytes, buf, dtype), 0, size, stride)
+    return t
+
+
+def new_output(size, stride, nbytes, dtype, buf) -> torch.Tensor:
+    """``new_tensor`` for a kernel's output, whose strides and byte size its executable's entry holds."""
+    if _native_make_tensor is not None:
+        t = _native_make_tensor(size, stride, dtype, nbytes, _fake_ptr(nbytes))
+        t.untyped_storage()._tpu = StorageData(buf, nbytes, dtype)
+        return t
+    t = _create_empty(_EMPTY, dtype)
+    _set_storage(_CPU_KEYSET, t, new_storage(nbytes, buf, dtype), 0, size, stride)
     return t
 
 
