@@ -245,7 +245,8 @@ class RunConfig(_Checked):
         self._float("reward_model_weight", lambda v: True, "a finite number")
         self._float("max_reward_error_fraction", lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
         self._choice("on_reward_error", ("stop", "continue"))
-        if not self.reward and not self.reward_model:
+        # reward=None: the rewards come from elsewhere (Trainer's reward_funcs); from_args requires them
+        if self.reward is not None and not self.reward and not self.reward_model:
             raise ConfigError("give at least one --reward (or a --reward-model)")
         if self.reward_weight and len(self.reward_weight) != len(self.reward or []):
             raise ConfigError(f"{len(self.reward_weight)} --reward-weight for {len(self.reward or [])} --reward; give "
@@ -293,7 +294,22 @@ class RunConfig(_Checked):
             return {f.name: get(f.name) for f in dataclasses.fields(klass)
                     if f.name not in cls.PARTS and get(f.name) is not None}
 
-        return cls(**{n: part(**pick(part)) for n, part in cls.PARTS.items()}, **pick(cls))
+        config = cls(**{n: part(**pick(part)) for n, part in cls.PARTS.items()}, **pick(cls))
+        if not config.reward and not config.reward_model:
+            raise ConfigError("give at least one --reward (or a --reward-model)")
+        return config
+
+    def flags(self) -> dict:
+        """The inverse of :meth:`from_args`: every option set (not None) by its flag's name (``lr``, not
+        ``learner.lr``), what ``train.Trainer(config=RunConfig(...))`` applies over the defaults."""
+        out = {}
+        for f in dataclasses.fields(self):
+            part = getattr(self, f.name)
+            if f.name in self.PARTS:
+                out.update({g.name: getattr(part, g.name) for g in dataclasses.fields(part)})
+            else:
+                out[f.name] = part
+        return {k: v for k, v in out.items() if v is not None}
 
     def learner_kwargs(self) -> dict:
         """``learner.Learner``'s keyword arguments."""

@@ -10,7 +10,7 @@ groups of a :class:`~torchtpu_rl.topology.Topology`; each stage's mechanics live
    worker that dies is restarted, re-synced and its requests run again with the same seeds:
    nothing is lost and every trajectory comes from one policy version);
 2. rewards (:class:`~torchtpu_rl.scoring.Scorer`): a callable ``reward_fn(prompts, responses,
-   metadata)`` or the topology's reward actor; a failing reward stops the run
+   metadata)`` or the topology's reward actors (a group: one slice of the batch per actor); a failing reward stops the run
    (``on_reward_error="stop"``) or scores ``reward_on_error`` (``"continue"``, up to
    ``max_reward_error_fraction``). With a ``tokenizer`` (text mode) the reward sees the prompts'
    texts, the decoded completions and per sample the dataset's columns plus ``completion_ids``;
@@ -22,7 +22,7 @@ A sync step sends ``N + R + 2`` control messages for ``N`` rollout requests on `
 (which takes the update straight from the learner). The batch passes the driver once.
 
 Faults (docs/rl.md, "Faults"): dead rollout workers are revived and re-synced by the sync
-controller; a reward actor is called again once Ray restarted it; a learner that dies is
+controller; a reward actor is revived by its group (as a rollout worker) and its slice scored again; a learner that dies is
 restarted and restored from the last checkpoint (:class:`~torchtpu_rl.recovery.LearnerRecovery`,
 periodic with ``checkpoint_dir``) and the run goes on from the checkpoint's step: everything
 generated after it is discarded and generated again, never mixed.
@@ -50,7 +50,7 @@ from .recovery import LearnerRecovery
 from .scoring import RewardError, Scorer
 from .sync_controller import WeightSync
 from .topology import Topology, ray_session
-from .worker_group import call_restartable
+from .workers import score_on_group
 
 __all__ = ["PromptDataset", "RLDriver", "RewardError", "engine_stats", "ray_session"]
 
@@ -86,7 +86,7 @@ class RLDriver:
         self.topo = topology
         self.learner = topology.learner_group
         self.rollout = topology.workers
-        for g in (self.learner, self.rollout):
+        for g in (self.learner, self.rollout, *([topology.rewards] if topology.rewards else [])):
             g.recovery_timeout_s = float(recovery_timeout_s)
         self.dataset = dataset
         self.reward_fn = reward_fn
@@ -187,11 +187,11 @@ class RLDriver:
         if self.reward_fn is not None:
             return self.reward_fn(ps, rs, ms)
 
-        def reward_actor_died(e):
-            self.events.append({"event": "reward_actor_died", "step": self.step_idx, "error": type(e).__name__})
+        def reward_actor_died(i, e):
+            self.events.append({"event": "reward_actor_died", "actor": i, "step": self.step_idx,
+                                "error": type(e).__name__})
 
-        return call_restartable(self.topo.reward_actor, "score", ps, rs, ms, timeout_s=self.recovery_timeout_s,
-                                on_death=reward_actor_died)
+        return score_on_group(self.topo.rewards, ps, rs, ms, on_death=reward_actor_died)
 
     # ------------------------------------------------------------ the step
     def step(self) -> dict:

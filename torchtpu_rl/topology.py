@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import os
 import uuid
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -29,23 +29,29 @@ __all__ = ["Topology", "make_topology", "ray_session"]
 class Topology:
     """A run's actors: the learner (one actor or a sharded group) behind a :class:`LearnerClient`,
     the rollout workers as a :class:`WorkerGroup` (it numbers their ordered calls, so every driver
-    of one topology continues the same order), an optional reward actor."""
+    of one topology continues the same order), optional reward actors as a :class:`WorkerGroup`
+    (a batch is scored in one slice per actor; a dead one is restarted as a rollout worker is)."""
 
     learner_group: LearnerClient
     workers: WorkerGroup
-    reward_actor: Any = None
+    rewards: Optional[WorkerGroup] = None
 
     @property
     def learner(self):
         """The learner's actor handle (or its sharded ``LearnerGroup``)."""
         return self.learner_group.actor
 
+    @property
+    def reward_actor(self):
+        """The first reward actor's handle (None without reward actors)."""
+        return self.rewards[0] if self.rewards else None
+
     def shutdown(self) -> None:
         import ray
 
         if isinstance(self.learner, LearnerGroup):
             self.learner.shutdown()
-        for a in [self.learner, *self.workers, self.reward_actor]:
+        for a in [self.learner, *self.workers, *(self.rewards or ())]:
             if a is not None and not isinstance(a, LearnerGroup):
                 try:
                     ray.kill(a, no_restart=True)
@@ -68,9 +74,9 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
                   reward_model_dir: Optional[str] = None, reward_in_actor: bool = False, max_restarts: int = 3,
                   worker_concurrency: int = 4, actor_options: Optional[dict] = None,
                   sync_dtype: Optional[torch.dtype] = None, rollout_quantization: Optional[str] = None,
-                  lora=None, learner_processes: int = 1, learner_slice=None) -> Topology:
+                  lora=None, learner_processes: int = 1, learner_slice=None, num_reward_actors: int = 1) -> Topology:
     """Start the learner, ``num_rollout_workers`` rollout workers and (optionally) a reward actor
-    on the connected Ray cluster. ``actor_options`` go to every ``.options()`` (e.g. a
+    (``num_reward_actors`` of them, a :class:`WorkerGroup`) on the connected Ray cluster. ``actor_options`` go to every ``.options()`` (e.g. a
     ``scheduling_strategy`` from a ray_integration slice reservation). ``reward_model_dir``: a
     Hugging Face sequence-classification directory for the reward actor. ``rollout_quantization``
     (``"int8"``, ``"int8_weight_only"``, ``"fp8"``): each rollout worker generates with a quantized
@@ -94,6 +100,8 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
 
     if not isinstance(num_rollout_workers, int) or num_rollout_workers < 1:
         raise ValueError(f"num_rollout_workers must be a positive int, got {num_rollout_workers!r}")
+    if not isinstance(num_reward_actors, int) or num_reward_actors < 1:
+        raise ValueError(f"make_topology: num_reward_actors must be a positive int, got {num_reward_actors!r}")
     if not isinstance(learner_processes, int) or learner_processes < 1:
         raise ValueError(f"make_topology: learner_processes must be a positive int, got {learner_processes!r}")
     if learner_processes > 1 and (algo != "grpo" or lora is not None):
@@ -140,14 +148,16 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
              "max_concurrency": worker_concurrency}
     workers = WorkerGroup.start(RolloutWorker, num_rollout_workers, (policy_fn, pad_id), wopts,
                                 lambda i: {"worker_index": i, "engine_kwargs": engine_kwargs})
-    reward_actor = None
+    rewards = None
     ropts = {**base, "max_restarts": max_restarts}
     if reward_model_dir is not None:
-        reward_actor = ray.remote(RewardModelActor).options(**ropts).remote(model_dir=os.fspath(reward_model_dir))
+        rkw = {"model_dir": os.fspath(reward_model_dir)}
     elif reward_in_actor or reward_model_fn is not None:
-        reward_actor = ray.remote(RewardModelActor).options(**ropts).remote(
-            reward_fn=None if reward_model_fn is not None else reward_fn, model_fn=reward_model_fn, pad_id=pad_id)
-    return Topology(learner, workers, reward_actor)
+        rkw = {"reward_fn": None if reward_model_fn is not None else reward_fn, "model_fn": reward_model_fn,
+               "pad_id": pad_id}
+    if reward_model_dir is not None or reward_in_actor or reward_model_fn is not None:
+        rewards = WorkerGroup.start(RewardModelActor, num_reward_actors, (), ropts, lambda i: rkw)
+    return Topology(learner, workers, rewards)
 
 
 # ------------------------------------------------------------------ Ray connection

@@ -15,7 +15,8 @@ rank): the group numbers them per actor (:class:`CallOrder`) and the actor runs 
 
 :class:`WorkerGroup` owns the actors and the recipe to replace one that is out of restarts,
 counts the control messages it sends (``messages``), and collects answers, re-submitting a call
-whose actor died once the actor is back (:meth:`WorkerGroup.collect`). :class:`LearnerClient`
+whose actor died once the actor is back (:meth:`WorkerGroup.collect`, :meth:`WorkerGroup.scatter`): the
+rollout workers and the reward actors are such groups. :class:`LearnerClient`
 is the learner's side of the same: one actor (or a sharded ``LearnerGroup``), its death raised
 as :class:`~torchtpu_rl.protocol.LearnerDied`.
 
@@ -241,6 +242,13 @@ class WorkerGroup:
                 error = e
             on_death(i, req, error)
             pending[self.submit(i, method, req)] = (req, i)
+
+    def scatter(self, method: str, requests: Sequence, key: Callable, on_death: Callable) -> list:
+        """A :data:`ROUND_ROBIN` call gathered: the answers in request order (:meth:`map` then
+        :meth:`collect`, a request whose actor died run again on it once it is back)."""
+        results: dict = {}
+        self.collect(method, self.map(method, requests), results, key, on_death)
+        return [results[key(r)] for r in requests]
 
     # ------------------------------------------------------------ restarts
     def revive(self, i: int) -> tuple:

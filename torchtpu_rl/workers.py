@@ -35,8 +35,9 @@ import torch
 
 from . import checkpoint as _ckpt
 from . import weight_sync as ws
-from .protocol import (LearnerRestarted, RolloutBatch, RolloutRequest, RolloutResult, WorkerNotReady)
-from .worker_group import ONE_TO_ALL, ROUND_ROBIN, InOrder, call_restartable, dispatch
+from .protocol import (LearnerRestarted, RewardRequest, RolloutBatch, RolloutRequest, RolloutResult, WorkerNotReady,
+                       split_rewards)
+from .worker_group import ONE_TO_ALL, ROUND_ROBIN, InOrder, WorkerGroup, dispatch
 
 __all__ = [
     "ActorReward",
@@ -44,6 +45,7 @@ __all__ = [
     "LearnerWorker",
     "RewardModelActor",
     "RolloutWorker",
+    "score_on_group",
 ]
 
 
@@ -338,8 +340,14 @@ class RewardModelActor:
             self.model = hf.load_reward_model(model_dir, dtype=dtype, device=device)
             self.tokenizer = hf.load_tokenizer(model_dir)
 
+    @dispatch(ONE_TO_ALL)
     def status(self) -> dict:
         return {"pid": os.getpid()}
+
+    @dispatch(ROUND_ROBIN)
+    def score_request(self, request: RewardRequest) -> list:
+        """Score one slice of a batch (the reward group's call: :func:`score_on_group`)."""
+        return self.score(request.prompts, request.responses, request.metadata)
 
     def score(self, prompts: list, responses: list, metadata: list) -> list:
         if self.reward_fn is not None:
@@ -370,15 +378,34 @@ class RewardModelActor:
         return [float(v) for v in vals]
 
 
-class ActorReward:
-    """A reward actor as a TRL-style reward function ``fn(prompts, completions, **columns)``, so a
-    reward model can sit in a :class:`~torchtpu_rl.rewards.RewardSet` beside programmatic
-    rewards, with its own weight."""
+def score_on_group(group: WorkerGroup, prompts: Sequence, responses: Sequence, metadata: Sequence,
+                   on_death: Optional[Callable] = None) -> list:
+    """Score a batch on a group of :class:`RewardModelActor` s: cut into one contiguous slice per
+    actor (round-robin dispatch), gathered in order. An actor that dies with a slice in flight is
+    brought back by its group (Ray's restart, or a new actor from the group's recipe) and the slice
+    scored again on it; ``on_death(actor_index, error)`` is told first."""
+    if not len(prompts):
+        return []
 
-    def __init__(self, actor, name: str = "reward_model"):
-        self.actor = actor
+    def died(i, request, e):
+        if on_death is not None:
+            on_death(i, e)
+        group.revive(i)
+
+    parts = group.scatter("score_request", split_rewards(prompts, responses, metadata, len(group)),
+                          lambda r: r.start, died)
+    return [float(v) for part in parts for v in part]
+
+
+class ActorReward:
+    """Reward actors as a TRL-style reward function ``fn(prompts, completions, **columns)``, so a
+    reward model can sit in a :class:`~torchtpu_rl.rewards.RewardSet` beside programmatic
+    rewards, with its own weight. ``group``: a :class:`~torchtpu_rl.worker_group.WorkerGroup` of
+    :class:`RewardModelActor` s (or one actor handle)."""
+
+    def __init__(self, group, name: str = "reward_model"):
+        self.group = group if isinstance(group, WorkerGroup) else WorkerGroup(RewardModelActor, [group])
         self.__name__ = name
 
     def __call__(self, prompts, completions, **columns):
-        # a reward actor that dies is restarted by Ray (make_topology's max_restarts): call again
-        return call_restartable(self.actor, "score", list(prompts), list(completions), [{}] * len(prompts))
+        return score_on_group(self.group, list(prompts), list(completions), [{}] * len(prompts))

@@ -80,7 +80,8 @@ def test_run_config_takes_each_flag_into_its_part():
     (lambda: RolloutConfig(group_size=True), "--group-size must be a positive integer, not True"),
     (lambda: RolloutConfig(max_slots=4), "--max-slots sizes the serving engine: give --engine serving"),
     (lambda: RunConfig(reward=["format"], rollout=RolloutConfig(group_size=1)), "GRPO needs --group-size >= 2"),
-    (lambda: RunConfig(reward=None), r"give at least one --reward"),
+    (lambda: RunConfig.from_args({"reward": None}), r"give at least one --reward"),
+    (lambda: RunConfig(reward=[]), r"give at least one --reward"),
     (lambda: RunConfig(reward=["a"], learner=LearnerConfig(learner_processes=2, algo="ppo")),
      "--learner-processes 2 .*sharded learner"),
 ])

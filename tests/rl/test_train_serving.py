@@ -111,3 +111,33 @@ def test_step_figures_combine_over_workers():
                                            "prefix_hit_tokens": 4, "preemptions": 1, "kv_pages_peak": 9,
                                            "row_utilization": (30 + 10) / 50}
     assert driver.engine_stats([result(seconds=1.0, response_tokens=3)]) == {}  # the static engine's figures
+
+
+def test_trainer_takes_a_run_config_as_it_takes_the_same_options_as_a_mapping(run_inputs):  # noqa: F811
+    """``Trainer(model=, reward_funcs=, config=RunConfig(...), train_dataset=)``: the typed config in TRL's
+    shape (no reward of its own: the reward functions come beside it) builds the run a mapping of the same
+    options builds; a RunConfig's bad value fails where it is made, naming the flag."""
+    from torchtpu_rl.config import ConfigError, LearnerConfig, RolloutConfig, RunConfig, SyncConfig
+
+    cfg = yaml.safe_load((run_inputs / "run.yaml").read_text())
+    model, data = cfg.pop("model"), cfg.pop("data")
+    typed = RunConfig(rollout=RolloutConfig(prompts_per_step=2, group_size=4, max_new_tokens=8, max_prompt_tokens=32,
+                                            requests_per_worker=2),
+                      learner=LearnerConfig(lr=0.5, kl_coef=0.01, entropy_coef=0.01),
+                      sync=SyncConfig(mode="async", max_staleness=2), seed=3, steps=5)
+    a = train.Trainer(model=model, reward_funcs=["math_answer", "format"], config=typed, train_dataset=data,
+                      reward_weights=[1.0, 0.1], prompt_key=cfg["prompt_key"], format_regex=cfg["format_regex"])
+    mapping = {**{k: cfg[k] for k in ("prompt_key", "format_regex")}, "prompts_per_step": 2, "group_size": 4,
+               "max_new_tokens": 8, "max_prompt_tokens": 32, "requests_per_worker": 2, "lr": 0.5, "kl_coef": 0.01,
+               "entropy_coef": 0.01, "mode": "async", "max_staleness": 2, "seed": 3, "steps": 5}
+    b = train.Trainer(model=model, reward_funcs=["math_answer", "format"], config=mapping, train_dataset=data,
+                      reward_weights=[1.0, 0.1])
+    assert a.setup["learner_kwargs"] == b.setup["learner_kwargs"]
+    assert a.setup["learner_kwargs"]["entropy_coef"] == 0.01 and a.setup["learner_kwargs"]["lr"] == 0.5
+    assert a.setup["engine_kwargs"] == b.setup["engine_kwargs"] and a.setup["sampling"] == b.setup["sampling"]
+    assert (a.args.mode, a.args.max_staleness, a.args.requests_per_worker, a.args.steps) == ("async", 2, 2, 5)
+    assert [n for n, _ in a.setup["rewards"]] == ["math_answer", "format"]
+    with pytest.raises(ConfigError, match="--entropy-coef must be a finite number, not nan"):
+        LearnerConfig(entropy_coef=float("nan"))
+    with pytest.raises(train.TrainError, match="give at least one --reward"):  # no rewards anywhere
+        train.Trainer(model=model, config=typed, train_dataset=data, prompt_key=cfg["prompt_key"])
