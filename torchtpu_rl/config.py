@@ -202,6 +202,7 @@ class SyncConfig(_Checked):
     max_staleness: int = 1
     transport: str = "object_store"
     sync_dtype: str = "float32"
+    colocate: bool = False  # the learner and the serving engine in one process on one device
 
     def __post_init__(self):
         self._choice("mode", ("sync", "async"))
@@ -275,6 +276,17 @@ class RunConfig(_Checked):
             if le.lora_rank:
                 raise ConfigError(f"--lora-rank {le.lora_rank}: the serving engine (--engine serving) does not merge "
                                   "LoRA adapters into its weights; use --engine static with LoRA")
+        if sy.colocate:
+            bad = [f for f, wrong in (("--engine serving", ro.engine != "serving"),
+                                      ("--rollout-workers 1", ro.rollout_workers != 1),
+                                      ("--learner-processes 1", le.learner_processes != 1),
+                                      ("--mode sync", sy.mode != "sync"),
+                                      ("--transport object_store", sy.transport != "object_store"),
+                                      ("--sync-dtype float32", sy.sync_dtype != "float32"),
+                                      ("--lora-rank 0", bool(le.lora_rank))) if wrong]
+            if bad:
+                raise ConfigError(f"--colocate (the learner and the serving engine in one process, a sync a version "
+                                  f"bump) needs {', '.join(bad)}")
         n = le.learner_processes
         if n > 1:
             if le.algo != "grpo" or le.lora_rank or sy.transport != "object_store":

@@ -17,9 +17,12 @@ groups of a :class:`~torchtpu_rl.topology.Topology`; each stage's mechanics live
 3. the learner trains on the batch (policy version v -> v + 1);
 4. weight sync learner -> workers (:class:`~torchtpu_rl.sync_controller.WeightSync`).
 
-A sync step sends ``N + R + 2`` control messages for ``N`` rollout requests on ``R`` workers
-(``control_messages``): N generate calls, train_step and publish_weights, one update per worker
-(which takes the update straight from the learner). The batch passes the driver once.
+A sync-mode step sends ``N + 2`` control messages for ``N`` rollout requests, whatever the number
+``R`` of workers (``control_messages``): N generate calls, train_step, and one ``publish_to`` with
+which the learner hands the update to the whole rollout group itself (the driver waits for the
+installs through the references it returns: :mod:`~torchtpu_rl.sync_controller`). Async mode,
+where an update must land between two numbered generations, sends ``N + R + 2`` (one ordered
+update per worker, handed the publish call's reference). The batch passes the driver once.
 
 Faults (docs/rl.md, "Faults"): dead rollout workers are revived and re-synced by the sync
 controller; a reward actor is revived by its group (as a rollout worker) and its slice scored again; a learner that dies is
@@ -77,6 +80,10 @@ class RLDriver:
         if tokenizer is not None and dataset.texts is None:
             raise ValueError("RLDriver: a tokenizer (text mode) needs a dataset of text prompts "
                              "(torchtpu_rl.data.load_prompts)")
+        if topology.colocated and (mode != "sync" or transport != "object_store"):
+            raise ValueError(f"RLDriver: a colocated topology (learner and engine on one device) runs mode='sync' and "
+                             f"syncs by a version bump (transport='object_store'), not mode={mode!r}, "
+                             f"transport={transport!r}")
         n = topology.learner_group.world_size
         self.sharded = n > 1
         if self.sharded and (transport != "object_store" or prompts_per_step % n):
@@ -102,7 +109,8 @@ class RLDriver:
         self.events: list = []  # faults, recoveries, reward errors
         self._messages_before = self.rollout.messages + self.learner.messages  # (the groups outlive a driver)
         self.sync = WeightSync(self.learner, self.rollout, transport=transport, collective_backend=collective_backend,
-                               sync_abort_s=sync_abort_s, events=self.events, step_of=lambda: self.step_idx)
+                               sync_abort_s=sync_abort_s, events=self.events, step_of=lambda: self.step_idx,
+                               learner_fan_out=(mode == "sync"))
         self.scorer = Scorer(self._reward_call, on_error=on_reward_error, default=reward_on_error,
                              max_error_fraction=max_reward_error_fraction, events=self.events, metrics_of=reward_fn)
         # periodic checkpoints into checkpoint_dir, and what a dead learner restarts from
@@ -154,6 +162,8 @@ class RLDriver:
 
     # ------------------------------------------------------------ rollouts
     def _launch(self, step: int) -> None:
+        if self.sync.fanned_out:  # its installs have no place in the workers' call order: done first
+            self.sync.finish()
         items = self.dataset.take(self.prompts_per_step)
         n_req = min(len(items), len(self.rollout) * self.requests_per_worker)
         requests = split_groups(items, n_req, self.group_size, self.sampling, step=step,

@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "recompute sequences when they run out)")
     g = p.add_argument_group("topology")
     g.add_argument("--rollout-workers", type=int, default=1)
+    g.add_argument("--colocate", action="store_true",
+                   help="the learner and the serving engine in one process on one device (verl's hybrid engine): "
+                        "the engine reads the learner's weights (a sync is a version bump), its KV pages are "
+                        "released while the learner trains; needs --engine serving, one rollout worker, --mode sync")
     g.add_argument("--requests-per-worker", type=int, default=1,
                    help="rollout requests (of whole prompt groups) per worker and step")
     g.add_argument("--learner-processes", type=int, default=1,
@@ -843,6 +847,7 @@ def _run(args, s: dict) -> dict:
         topo = make_topology(policy_fn, tokenizer.pad_token_id, num_rollout_workers=args.rollout_workers,
                              algo=args.algo, learner_kwargs=s["learner_kwargs"], engine_kwargs=s["engine_kwargs"],
                              seed=args.seed, lora=s["lora"], learner_processes=args.learner_processes,
+                             colocate=args.colocate,
                              sync_dtype=None if args.sync_dtype == "float32" else args.sync_dtype,
                              reward_model_dir=os.path.abspath(args.reward_model) if args.reward_model else None)
         outputs = None

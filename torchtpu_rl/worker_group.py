@@ -94,6 +94,11 @@ class CallOrder:
             self._next[i] += 1
             return s
 
+    def peek(self, i: int = 0) -> int:
+        """The number the next call to actor ``i`` will take (none is taken)."""
+        with self._lock:
+            return self._next[i] if i < len(self._next) else 0
+
 
 class InOrder:
     """The receiving side: calls on a threaded actor run one at a time in the order of their numbers.
@@ -122,6 +127,17 @@ class InOrder:
         finally:
             with self._cond:
                 self._next = seq + 1
+                self._cond.notify_all()
+
+    def expect(self, seq: Optional[int]) -> None:
+        """The next numbered call is ``seq``: an unnumbered call sent while none is in flight (a sync-mode
+        install) anchors the order of a process that has not seen a number yet (restarted, or new:
+        otherwise the first of two calls sent together could be overtaken by the second and wait for ever)."""
+        if seq is None:
+            return
+        with self._cond:
+            if self._next is None or self._next < seq:
+                self._next = int(seq)
                 self._cond.notify_all()
 
     def skip(self, seq: Optional[int]) -> None:

@@ -93,17 +93,23 @@ def test_weight_sync_checksums(topo, transport, backend):
 
 @pytest.mark.parametrize("requests_per_worker", [1, 2])
 def test_control_messages_per_step(topo, requests_per_worker):
-    """A sync step sends N + R + 2 control messages for N rollout requests on R workers: N generate
-    calls, train_step and publish_weights, one weight update per worker (handed the publish call's
-    reference: the driver does not relay the update). The first step adds the version query and the
-    initial sync (publish + R updates)."""
+    """A sync-mode step sends N + 2 control messages for N rollout requests, whatever the number R of
+    workers: N generate calls, train_step, and one publish_to with which the learner hands the update to
+    the whole rollout group (the driver neither relays the update nor calls each worker). The first step
+    adds the version query and the initial sync (one publish_to). Every worker installed every update."""
+    import ray
+
     d = _driver(topo, requests_per_worker=requests_per_worker)
     N, R = 2 * requests_per_worker, len(topo.workers)
+    updates = [st["updates"] for st in ray.get([w.status.remote() for w in topo.workers])]
     d.step()
-    assert d.control_messages == 1 + (1 + R) + (N + R + 2)
+    assert d.control_messages == 1 + 1 + (N + 2)
     before = d.control_messages
-    d.step()
-    assert d.control_messages - before == N + R + 2
+    m = d.step()
+    assert d.control_messages - before == N + 2 and R == 2
+    status = ray.get([w.status.remote() for w in topo.workers])
+    assert [st["updates"] - u for st, u in zip(status, updates)] == [3] * R  # the initial sync and two steps
+    assert [st["version"] for st in status] == [m["policy_version"]] * R
 
 
 def test_reward_errors_name_the_sample(topo):
