@@ -188,6 +188,8 @@ class RLDriver:
         def died(i, req, e):  # the worker died with this request in flight: restart, re-sync, re-queue
             self.events.append({"event": "worker_died", "worker": i, "request": req.request_id,
                                 "step": sr.step, "error": type(e).__name__})
+            if self.topo.colocated:  # the worker was the learner too: restored from the last checkpoint
+                raise LearnerDied("the colocated learner and rollout worker died during generate") from e
             self.sync.ensure(i)
 
         self.rollout.collect("generate", sr.refs, sr.results, lambda req: req.request_id, died)
