@@ -201,3 +201,45 @@ def test_colocated_topology_refuses_what_it_cannot_run(ray_driver):
         make_topology(lambda: None, 0, num_rollout_workers=2, colocate=True, engine_kwargs={"engine": "serving"})
     with pytest.raises(ValueError, match="colocate=True .*engine_kwargs=None"):
         make_topology(lambda: None, 0, colocate=True)
+
+
+def test_a_killed_colocated_actor_is_restored_from_the_last_checkpoint(ray_driver, run_inputs, tmp_path):  # noqa: F811
+    """The colocated actor is the learner and the rollout worker at once: killed while its rollouts are in
+    flight, it is restarted by Ray, the last checkpoint is loaded into it, its engine is synced by a version
+    bump again, and the run goes on from the checkpoint's step."""
+    import functools
+
+    import ray
+
+    from torchtpu_rl import hf
+    from torchtpu_rl.driver import PromptDataset, RLDriver
+    from torchtpu_rl.protocol import SamplingParams
+    from torchtpu_rl.topology import make_topology
+
+    tok = hf.load_tokenizer(str(run_inputs / "model"))
+    topo = make_topology(functools.partial(hf.load_policy, str(run_inputs / "model"), device="cpu"),
+                         tok.pad_token_id, colocate=True, learner_kwargs={"group_size": 4, "lr": 0.05, "kl_coef": 0.0},
+                         engine_kwargs={"engine": "serving", "max_slots": 8, "page_size": 8, "kv_pages": 16},
+                         max_restarts=2)
+    try:
+        items = [(tok.encode(t)[:12], None) for t in ("one plus two", "three times four")]
+        d = RLDriver(topo, PromptDataset(items, seed=0), lambda p, r, m: [len(x) / 6 for x in r],
+                     sampling=SamplingParams(max_new_tokens=6), prompts_per_step=2, group_size=4, seed=3,
+                     checkpoint_dir=str(tmp_path), checkpoint_every=1)
+        pid = ray.get(topo.learner.status.remote())["pid"]
+        killed = []
+
+        def queued(driver, step):
+            if step == 1 and not killed:
+                ray.kill(topo.learner, no_restart=False)
+                killed.append(step)
+
+        d.on_rollouts_queued = queued
+        out = d.run(3, progress=False)
+        kinds = [e["event"] for e in d.events]
+        assert killed and "learner_died" in kinds and "learner_restored" in kinds, d.events
+        assert [m["step"] for m in out] == [1, 2, 3] and out[-1]["policy_version"] == 3
+        status = ray.get(topo.learner.status.remote())
+        assert status["pid"] != pid and status["version"] == 3 and not status["kv_released"]
+    finally:
+        topo.shutdown()
