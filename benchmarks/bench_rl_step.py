@@ -17,8 +17,13 @@ at Ray's ``ActorMethod.remote``, so the figure is the same for any version of th
 jobs falls on both; each block is a fresh driver over the same actors whose first step is
 not timed (it primes the pipeline). Ratios are medians over adjacent block pairs.
 
+``--before REV`` runs the same benchmark first on git revision ``REV`` of this repository (checked
+out in a temporary worktree, this tree's built C++ extension copied in) and prints before / after:
+step time, driver overhead, control messages per step, in one run of this script.
+
     python benchmarks/bench_rl_step.py --out runs/bench_rl_step.json
     python benchmarks/bench_rl_step.py --quick           # smoke run
+    python benchmarks/bench_rl_step.py --workers 2 --before main
 """
 
 from __future__ import annotations
@@ -56,7 +61,9 @@ def main():
     p.add_argument("--threads", type=int, default=THREADS, help="CPU threads for torch and XLA (default 1)")
     p.add_argument("--xla-cache", default=os.path.join("runs", "xla_cache"))
     p.add_argument("--out", default="runs/bench_rl_step.json")
+    p.add_argument("--before", metavar="REV", help="also run git revision REV first and print before / after")
     args = p.parse_args()
+    before = run_revision(args.before, sys.argv[1:]) if args.before else None
     if args.quick:
         args.hidden, args.layers, args.prompts_per_step, args.group_size = 32, 1, 4, 4
         args.max_new_tokens, args.steps, args.blocks = 8, 2, 1
@@ -174,7 +181,7 @@ def main():
               + (f"   driver overhead {r['driver_overhead_s'] * 1e3:.2f} ms" if "driver_overhead_s" in r else ""))
     for k, v in ratios.items():
         print(f"  {k:<28} {v:6.2f}x")
-    common.write_json(args.out, {
+    out = {
         "benchmark": "rl_step",
         "config": vars(args),
         "env": common.environment(THREADS),
@@ -183,7 +190,48 @@ def main():
         **res,
         "ratios": ratios,
         "blocks_step_s": block_step,
-    })
+    }
+    if before is not None:
+        out["before"] = {"revision": args.before, **{m: before[m] for m in modes}}
+        print(f"  before ({args.before}) -> after (this tree); load {os.getloadavg()[0]:.1f}")
+        for mode in modes:
+            for key in ("step_s", "driver_overhead_s", "control_messages_per_step"):
+                if key in res[mode] and key in before[mode]:
+                    b, a = before[mode][key], res[mode][key]
+                    print(f"    {mode:<5} {key:<26} {b:10.4g} -> {a:10.4g}   after/before {a / b:5.2f}x")
+    common.write_json(args.out, out)
+
+
+def run_revision(rev: str, argv: list) -> dict:
+    """This benchmark at git revision ``rev`` (a temporary detached worktree) in a subprocess; its JSON."""
+    import shutil
+    import subprocess
+
+    tree = tempfile.mkdtemp(prefix="bench_rl_step_before_")
+    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tree, rev], check=True,
+                   stdout=subprocess.DEVNULL)
+    try:
+        build = os.path.join(ROOT, "torchtpu", "csrc", "build")
+        if os.path.isdir(build):
+            shutil.copytree(build, os.path.join(tree, "torchtpu", "csrc", "build"), dirs_exist_ok=True)
+        out = os.path.join(tree, "before.json")
+        rest, skip = [], False
+        for a in argv:  # the same options, less --before / --out
+            if skip:
+                skip = False
+            elif a in ("--before", "--out"):
+                skip = True
+            elif not a.startswith(("--before=", "--out=")):
+                rest.append(a)
+        env = {**os.environ, "PYTHONPATH": tree}
+        subprocess.run([sys.executable, os.path.join(tree, "benchmarks", "bench_rl_step.py"), *rest, "--out", out],
+                       check=True, env=env, cwd=ROOT)
+        with open(out) as f:
+            import json
+
+            return json.load(f)
+    finally:
+        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], check=False)
 
 
 if __name__ == "__main__":

@@ -225,6 +225,7 @@ class SyncConfig(_Checked):
     max_staleness: int = 1
     transport: str = "object_store"
     sync_dtype: str = "float32"
+    colocate: bool = False  # the learner and the serving engine in one process on one device
 
     def __post_init__(self):
         self._choice("mode", ("sync", "async"))
@@ -306,7 +307,8 @@ class RunConfig(_Checked):
         self._float("reward_model_weight", lambda v: True, "a finite number")
         self._float("max_reward_error_fraction", lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
         self._choice("on_reward_error", ("stop", "continue"))
-        if not self.reward and not self.reward_model and self.episode.env is None:
+        # reward=None: the rewards come from elsewhere (Trainer's reward_funcs); from_args requires them
+        if self.reward is not None and not self.reward and not self.reward_model and self.episode.env is None:
             raise ConfigError("give at least one --reward (or a --reward-model, or an --env whose rewards train)")
         if self.reward_weight and len(self.reward_weight) != len(self.reward or []):
             raise ConfigError(f"{len(self.reward_weight)} --reward-weight for {len(self.reward or [])} --reward; give "
@@ -340,6 +342,17 @@ class RunConfig(_Checked):
             if le.lora_rank:
                 raise ConfigError(f"--lora-rank {le.lora_rank}: the serving engine (--engine serving) does not merge "
                                   "LoRA adapters into its weights; use --engine static with LoRA")
+        if sy.colocate:
+            bad = [f for f, wrong in (("--engine serving", ro.engine != "serving"),
+                                      ("--rollout-workers 1", ro.rollout_workers != 1),
+                                      ("--learner-processes 1", le.learner_processes != 1),
+                                      ("--mode sync", sy.mode != "sync"),
+                                      ("--transport object_store", sy.transport != "object_store"),
+                                      ("--sync-dtype float32", sy.sync_dtype != "float32"),
+                                      ("--lora-rank 0", bool(le.lora_rank))) if wrong]
+            if bad:
+                raise ConfigError(f"--colocate (the learner and the serving engine in one process, a sync a version "
+                                  f"bump) needs {', '.join(bad)}")
         n = le.learner_processes
         if n > 1:
             if le.algo != "grpo" or le.lora_rank or sy.transport != "object_store":
@@ -359,7 +372,22 @@ class RunConfig(_Checked):
             return {f.name: get(f.name) for f in dataclasses.fields(klass)
                     if f.name not in cls.PARTS and get(f.name) is not None}
 
-        return cls(**{n: part(**pick(part)) for n, part in cls.PARTS.items()}, **pick(cls))
+        config = cls(**{n: part(**pick(part)) for n, part in cls.PARTS.items()}, **pick(cls))
+        if not config.reward and not config.reward_model and config.episode.env is None:
+            raise ConfigError("give at least one --reward (or a --reward-model, or an --env whose rewards train)")
+        return config
+
+    def flags(self) -> dict:
+        """The inverse of :meth:`from_args`: every option set (not None) by its flag's name (``lr``, not
+        ``learner.lr``), what ``train.Trainer(config=RunConfig(...))`` applies over the defaults."""
+        out = {}
+        for f in dataclasses.fields(self):
+            part = getattr(self, f.name)
+            if f.name in self.PARTS:
+                out.update({g.name: getattr(part, g.name) for g in dataclasses.fields(part)})
+            else:
+                out[f.name] = part
+        return {k: v for k, v in out.items() if v is not None}
 
     def learner_kwargs(self) -> dict:
         """``learner.Learner``'s keyword arguments."""

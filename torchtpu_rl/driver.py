@@ -10,19 +10,22 @@ groups of a :class:`~torchtpu_rl.topology.Topology`; each stage's mechanics live
    worker that dies is restarted, re-synced and its requests run again with the same seeds:
    nothing is lost and every trajectory comes from one policy version);
 2. rewards (:class:`~torchtpu_rl.scoring.Scorer`): a callable ``reward_fn(prompts, responses,
-   metadata)`` or the topology's reward actor; a failing reward stops the run
+   metadata)`` or the topology's reward actors (a group: one slice of the batch per actor); a failing reward stops the run
    (``on_reward_error="stop"``) or scores ``reward_on_error`` (``"continue"``, up to
    ``max_reward_error_fraction``). With a ``tokenizer`` (text mode) the reward sees the prompts'
    texts, the decoded completions and per sample the dataset's columns plus ``completion_ids``;
 3. the learner trains on the batch (policy version v -> v + 1);
 4. weight sync learner -> workers (:class:`~torchtpu_rl.sync_controller.WeightSync`).
 
-A sync step sends ``N + R + 2`` control messages for ``N`` rollout requests on ``R`` workers
-(``control_messages``): N generate calls, train_step and publish_weights, one update per worker
-(which takes the update straight from the learner). The batch passes the driver once.
+A sync-mode step sends ``N + 2`` control messages for ``N`` rollout requests, whatever the number
+``R`` of workers (``control_messages``): N generate calls, train_step, and one ``publish_to`` with
+which the learner hands the update to the whole rollout group itself (the driver waits for the
+installs through the references it returns: :mod:`~torchtpu_rl.sync_controller`). Async mode,
+where an update must land between two numbered generations, sends ``N + R + 2`` (one ordered
+update per worker, handed the publish call's reference). The batch passes the driver once.
 
 Faults (docs/rl.md, "Faults"): dead rollout workers are revived and re-synced by the sync
-controller; a reward actor is called again once Ray restarted it; a learner that dies is
+controller; a reward actor is revived by its group (as a rollout worker) and its slice scored again; a learner that dies is
 restarted and restored from the last checkpoint (:class:`~torchtpu_rl.recovery.LearnerRecovery`,
 periodic with ``checkpoint_dir``) and the run goes on from the checkpoint's step: everything
 generated after it is discarded and generated again, never mixed.
@@ -51,7 +54,7 @@ from .recovery import LearnerRecovery
 from .scoring import RewardError, Scorer
 from .sync_controller import WeightSync
 from .topology import Topology, ray_session
-from .worker_group import call_restartable
+from .workers import score_on_group
 
 __all__ = ["PromptDataset", "RLDriver", "RewardError", "engine_stats", "ray_session"]
 
@@ -79,6 +82,10 @@ class RLDriver:
         if tokenizer is not None and dataset.texts is None:
             raise ValueError("RLDriver: a tokenizer (text mode) needs a dataset of text prompts "
                              "(torchtpu_rl.data.load_prompts)")
+        if topology.colocated and (mode != "sync" or transport != "object_store"):
+            raise ValueError(f"RLDriver: a colocated topology (learner and engine on one device) runs mode='sync' and "
+                             f"syncs by a version bump (transport='object_store'), not mode={mode!r}, "
+                             f"transport={transport!r}")
         n = topology.learner_group.world_size
         self.sharded = n > 1
         if self.sharded and (transport != "object_store" or prompts_per_step % n):
@@ -88,7 +95,7 @@ class RLDriver:
         self.topo = topology
         self.learner = topology.learner_group
         self.rollout = topology.workers
-        for g in (self.learner, self.rollout):
+        for g in (self.learner, self.rollout, *([topology.rewards] if topology.rewards else [])):
             g.recovery_timeout_s = float(recovery_timeout_s)
         self.dataset = dataset
         self.reward_fn = reward_fn
@@ -105,7 +112,8 @@ class RLDriver:
         self.events: list = []  # faults, recoveries, reward errors
         self._messages_before = self.rollout.messages + self.learner.messages  # (the groups outlive a driver)
         self.sync = WeightSync(self.learner, self.rollout, transport=transport, collective_backend=collective_backend,
-                               sync_abort_s=sync_abort_s, events=self.events, step_of=lambda: self.step_idx)
+                               sync_abort_s=sync_abort_s, events=self.events, step_of=lambda: self.step_idx,
+                               learner_fan_out=(mode == "sync"))
         self.scorer = Scorer(self._reward_call, on_error=on_reward_error, default=reward_on_error,
                              max_error_fraction=max_reward_error_fraction, events=self.events, metrics_of=reward_fn)
         # periodic checkpoints into checkpoint_dir, and what a dead learner restarts from
@@ -157,6 +165,8 @@ class RLDriver:
 
     # ------------------------------------------------------------ rollouts
     def _launch(self, step: int) -> None:
+        if self.sync.fanned_out:  # its installs have no place in the workers' call order: done first
+            self.sync.finish()
         items = self.dataset.take(self.prompts_per_step)
         n_req = min(len(items), len(self.rollout) * self.requests_per_worker)
         requests = split_groups(items, n_req, self.group_size, self.sampling, step=step,
@@ -181,6 +191,8 @@ class RLDriver:
         def died(i, req, e):  # the worker died with this request in flight: restart, re-sync, re-queue
             self.events.append({"event": "worker_died", "worker": i, "request": req.request_id,
                                 "step": sr.step, "error": type(e).__name__})
+            if self.topo.colocated:  # the worker was the learner too: restored from the last checkpoint
+                raise LearnerDied("the colocated learner and rollout worker died during generate") from e
             self.sync.ensure(i)
 
         self.rollout.collect("generate", sr.refs, sr.results, lambda req: req.request_id, died)
@@ -190,11 +202,11 @@ class RLDriver:
         if self.reward_fn is not None:
             return self.reward_fn(ps, rs, ms)
 
-        def reward_actor_died(e):
-            self.events.append({"event": "reward_actor_died", "step": self.step_idx, "error": type(e).__name__})
+        def reward_actor_died(i, e):
+            self.events.append({"event": "reward_actor_died", "actor": i, "step": self.step_idx,
+                                "error": type(e).__name__})
 
-        return call_restartable(self.topo.reward_actor, "score", ps, rs, ms, timeout_s=self.recovery_timeout_s,
-                                on_death=reward_actor_died)
+        return score_on_group(self.topo.rewards, ps, rs, ms, on_death=reward_actor_died)
 
     def _sample_more(self, n: int) -> tuple:
         """A dynamic-sampling round: ``n`` new prompts generated now (current weights) and scored."""

@@ -38,6 +38,7 @@ __all__ = [
     "RolloutBatch",
     "RolloutRequest",
     "RolloutResult",
+    "RewardRequest",
     "SamplingParams",
     "StepRollouts",
     "WorkerNotReady",
@@ -45,6 +46,7 @@ __all__ = [
     "gather_results",
     "seed_for",
     "split_groups",
+    "split_rewards",
 ]
 
 
@@ -301,6 +303,29 @@ class RolloutBatch:
     @classmethod
     def from_state(cls, state: dict) -> "RolloutBatch":
         return cls(**state)
+
+
+# ================================================================= reward work
+@dataclasses.dataclass
+class RewardRequest:
+    """A contiguous slice (from sample ``start``) of a batch to score on one reward actor."""
+
+    start: int
+    prompts: list
+    responses: list
+    metadata: list
+
+
+def split_rewards(prompts: Sequence, responses: Sequence, metadata: Sequence, n_actors: int) -> list:
+    """The samples cut into at most ``n_actors`` contiguous :class:`RewardRequest` s of near-equal size
+    (concatenated in ``start`` order they are the batch again)."""
+    n = len(prompts)
+    if not (len(responses) == len(metadata) == n):
+        raise ValueError(f"split_rewards: {n} prompts, {len(responses)} responses, {len(metadata)} metadata")
+    k = max(1, min(int(n_actors), n))
+    bounds = [n * j // k for j in range(k + 1)]
+    return [RewardRequest(a, list(prompts[a:b]), list(responses[a:b]), list(metadata[a:b]))
+            for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 # ================================================================= rollout work

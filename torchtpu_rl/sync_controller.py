@@ -1,11 +1,19 @@
 """The weight-sync controller: learner group -> rollout group, and bringing dead workers back.
 
-One sync is one control call per actor (docs/rl.md, "Weight sync"):
+How a sync reaches the workers (docs/rl.md, "Weight sync"):
 
-- ``object_store``: ``publish_weights`` on the learner, then ``update_weights(update)`` on every
-  worker with the publish call's ObjectRef as the argument: Ray hands the update to the workers
-  straight from the learner, the driver never relays it (it reads the handle's timings only when
-  the sync is finished);
+- ``object_store`` with ``learner_fan_out`` (the driver's sync mode): one control call for the
+  whole rollout group, ``publish_to(workers)`` on the learner, which publishes and starts every
+  worker's ``update_weights`` itself; the driver waits for the installs through the references it
+  returns. No generation is in flight or queued during such a sync, so the installs need no place
+  in the workers' call order (a learner that dies midway leaves no gap in it); each install tells
+  its worker the number of the driver's next call to it, which anchors the order of a worker
+  process that has not seen a number yet (``InOrder.expect``);
+- ``object_store`` otherwise (async mode, where an update must land between two numbered
+  generations, and a sharded learner): ``publish_weights`` on the learner, then
+  ``update_weights(update)`` on every worker with the publish call's ObjectRef as the argument:
+  Ray hands the update to the workers straight from the learner, the driver never relays it (it
+  reads the handle's timings only when the sync is finished);
 - ``collective``: ``broadcast_weights`` on the learner beside ``receive_weights`` on every worker
   (a group built once with ``collective_setup``, rebuilt when a member dies).
 
@@ -30,15 +38,26 @@ __all__ = ["WeightSync"]
 LEARNER = "learner"  # the learner's key among a sync's members (workers are keyed by index)
 
 
+def _sync_id() -> int:
+    """A number for each object-store sync, increasing over every driver of this host (the workers
+    refuse an install older than one they have: ``RolloutWorker._install``)."""
+    return time.monotonic_ns()
+
+
+def _lost_errors() -> tuple:
+    """Ray's errors for an object lost with its owner (an update's buckets, or the answer of an install
+    the learner started, when the learner died)."""
+    import ray.exceptions as rex
+
+    return tuple(getattr(rex, n) for n in ("ObjectLostError", "OwnerDiedError", "ObjectFetchTimedOutError")
+                 if hasattr(rex, n))
+
+
 def _sync_failure(e) -> bool:
     """Did a sync call fail because the sync itself broke (a member left the collective group, the
     update's objects were lost with their owner), rather than a bug?"""
-    import ray.exceptions as rex
-
-    cause = getattr(e, "cause", None)
-    lost = tuple(getattr(rex, n) for n in ("ObjectLostError", "OwnerDiedError", "ObjectFetchTimedOutError")
-                 if hasattr(rex, n))
-    return isinstance(e, lost) or isinstance(cause, (ws.SyncAborted, *lost))
+    lost = _lost_errors()
+    return isinstance(e, lost) or isinstance(getattr(e, "cause", None), (ws.SyncAborted, *lost))
 
 
 class WeightSync:
@@ -47,7 +66,8 @@ class WeightSync:
 
     def __init__(self, learner: LearnerClient, workers: WorkerGroup, *, transport: str = "object_store",
                  collective_backend: Optional[str] = None, sync_abort_s: float = 10.0,
-                 events: Optional[list] = None, step_of: Callable[[], int] = lambda: -1):
+                 events: Optional[list] = None, step_of: Callable[[], int] = lambda: -1,
+                 learner_fan_out: bool = False):
         if transport not in ws.TRANSPORTS:
             raise ValueError(f"transport must be one of {ws.TRANSPORTS}, not {transport!r}")
         self.learner = learner
@@ -57,6 +77,9 @@ class WeightSync:
         self.sync_abort_s = float(sync_abort_s)
         self.events = events if events is not None else []
         self.step_of = step_of
+        # the learner starts the workers' installs (one call for the group); not a sharded learner's
+        self.learner_fan_out = bool(learner_fan_out) and transport == "object_store" and learner.world_size == 1
+        self._fanned_out = False  # the sync in flight was started by publish_to
         self.worker_version = -1  # the version installed on every worker
         self.version = -1  # the version of the latest sync started
         self.last_update = None  # ObjectRef of the latest published update: a restarted worker is re-synced from it
@@ -69,6 +92,11 @@ class WeightSync:
     def in_flight(self) -> bool:
         return bool(self._refs)
 
+    @property
+    def fanned_out(self) -> bool:
+        """A sync started by the learner's ``publish_to`` is in flight."""
+        return bool(self._refs) and self._fanned_out
+
     # ------------------------------------------------------------ one sync
     def start(self, version: int) -> None:
         """Send the learner's weights (at ``version``) to every worker; :meth:`finish` waits for it."""
@@ -76,9 +104,14 @@ class WeightSync:
             self.finish()
         self._started = time.perf_counter()
         self.version = int(version)
-        if self.transport == "object_store":
+        self._fanned_out = self.learner_fan_out
+        if self._fanned_out:
+            nxt = [self.workers.order.peek(i) for i in range(len(self.workers))]
+            self._refs = [(LEARNER, self.learner.submit("publish_to", list(self.workers.actors), _sync_id(), nxt))]
+        elif self.transport == "object_store":
             self.last_update = self.learner.submit("publish_weights")
-            self._refs = [(LEARNER, self.last_update)] + self.workers.call("update_weights", self.last_update)
+            self._refs = [(LEARNER, self.last_update)] + self.workers.call("update_weights", self.last_update,
+                                                                            _sync_id())
         else:
             self._refs = self._broadcast()
 
@@ -91,6 +124,10 @@ class WeightSync:
         """Wait for the sync in flight; dead or stuck workers are revived and re-synced. Returns its figures."""
         refs, self._refs = self._refs, []
         infos, failed = self._wait(refs)
+        if self._fanned_out and LEARNER in infos:  # then the installs the learner started
+            self.last_update = infos[LEARNER]["update"]  # (the small handle: a re-sync hands it on)
+            more, failed = self._wait(list(enumerate(infos[LEARNER]["installs"])))
+            infos = {**more, LEARNER: self.last_update}
         if failed:
             self.events.append({"event": "sync_failed", "step": self.step_of(), "version": self.version,
                                 "members": {str(k): v for k, v in failed.items()},
@@ -150,6 +187,8 @@ class WeightSync:
                 continue
             except actor_died_errors():
                 failed[who] = "died"
+            except _lost_errors():  # an install the learner started, the learner gone since
+                failed[who] = "aborted"
             except ray.exceptions.RayTaskError as e:
                 if restarted(e):  # the learner lost its state (a worker: the update it was handed failed so)
                     failed[who] = "died" if who == LEARNER else "aborted"
@@ -221,7 +260,7 @@ class WeightSync:
             if self.transport == "object_store":
                 if self.last_update is None:
                     break
-                refs = self.workers.call("update_weights", self.last_update, indices=indices)
+                refs = self.workers.call("update_weights", self.last_update, _sync_id(), indices=indices)
             else:
                 self._group_ready = False
                 self.learner.call("collective_teardown")

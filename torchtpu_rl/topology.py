@@ -13,14 +13,14 @@ import contextlib
 import dataclasses
 import os
 import uuid
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
 from . import weight_sync as ws
 from .sharded_learner import LearnerGroup, start_learner_group
 from .worker_group import LearnerClient, WorkerGroup
-from .workers import LearnerWorker, RewardModelActor, RolloutWorker, rollout_engine
+from .workers import ColocatedWorker, LearnerWorker, RewardModelActor, RolloutWorker, rollout_engine
 
 __all__ = ["Topology", "make_topology", "ray_session"]
 
@@ -29,23 +29,30 @@ __all__ = ["Topology", "make_topology", "ray_session"]
 class Topology:
     """A run's actors: the learner (one actor or a sharded group) behind a :class:`LearnerClient`,
     the rollout workers as a :class:`WorkerGroup` (it numbers their ordered calls, so every driver
-    of one topology continues the same order), an optional reward actor."""
+    of one topology continues the same order), optional reward actors as a :class:`WorkerGroup`
+    (a batch is scored in one slice per actor; a dead one is restarted as a rollout worker is)."""
 
     learner_group: LearnerClient
     workers: WorkerGroup
-    reward_actor: Any = None
+    rewards: Optional[WorkerGroup] = None
+    colocated: bool = False  # the learner and the one rollout worker are one ColocatedWorker actor
 
     @property
     def learner(self):
         """The learner's actor handle (or its sharded ``LearnerGroup``)."""
         return self.learner_group.actor
 
+    @property
+    def reward_actor(self):
+        """The first reward actor's handle (None without reward actors)."""
+        return self.rewards[0] if self.rewards else None
+
     def shutdown(self) -> None:
         import ray
 
         if isinstance(self.learner, LearnerGroup):
             self.learner.shutdown()
-        for a in [self.learner, *self.workers, self.reward_actor]:
+        for a in [self.learner, *(() if self.colocated else self.workers), *(self.rewards or ())]:
             if a is not None and not isinstance(a, LearnerGroup):
                 try:
                     ray.kill(a, no_restart=True)
@@ -68,9 +75,10 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
                   reward_model_dir: Optional[str] = None, reward_in_actor: bool = False, max_restarts: int = 3,
                   worker_concurrency: int = 4, actor_options: Optional[dict] = None,
                   sync_dtype: Optional[torch.dtype] = None, rollout_quantization: Optional[str] = None,
-                  lora=None, learner_processes: int = 1, learner_slice=None) -> Topology:
+                  lora=None, learner_processes: int = 1, learner_slice=None, num_reward_actors: int = 1,
+                  colocate: bool = False) -> Topology:
     """Start the learner, ``num_rollout_workers`` rollout workers and (optionally) a reward actor
-    on the connected Ray cluster. ``actor_options`` go to every ``.options()`` (e.g. a
+    (``num_reward_actors`` of them, a :class:`WorkerGroup`) on the connected Ray cluster. ``actor_options`` go to every ``.options()`` (e.g. a
     ``scheduling_strategy`` from a ray_integration slice reservation). ``reward_model_dir``: a
     Hugging Face sequence-classification directory for the reward actor. ``rollout_quantization``
     (``"int8"``, ``"int8_weight_only"``, ``"fp8"``): each rollout worker generates with a quantized
@@ -85,7 +93,10 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
     per host of a TPU slice of N hosts (``learner_slice``: its accelerator type or reservation; default:
     the cluster's first such slice), started with ray_integration's ``TPUHostGroup``, training one
     FSDP2-sharded GRPO policy (:mod:`torchtpu_rl.sharded_learner`); ``topology.learner`` is then a
-    :class:`~torchtpu_rl.sharded_learner.LearnerGroup`, driven like one learner actor (no restarts)."""
+    :class:`~torchtpu_rl.sharded_learner.LearnerGroup`, driven like one learner actor (no restarts).
+    ``colocate=True`` (verl's hybrid engine, ``--colocate``): the learner and a serving engine on its
+    weights are one :class:`~torchtpu_rl.workers.ColocatedWorker` on one device, both the learner and
+    the one rollout worker of the topology; a weight sync is a version bump (sync mode only)."""
     import ray
 
     if not ray.is_initialized():
@@ -94,6 +105,15 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
 
     if not isinstance(num_rollout_workers, int) or num_rollout_workers < 1:
         raise ValueError(f"num_rollout_workers must be a positive int, got {num_rollout_workers!r}")
+    if colocate and (num_rollout_workers != 1 or learner_processes != 1 or lora is not None or sync_dtype is not None
+                     or rollout_quantization is not None or (engine_kwargs or {}).get("engine") != "serving"):
+        raise ValueError("make_topology: colocate=True runs one ColocatedWorker (the learner and a serving engine "
+                         "on its weights): one rollout worker, one learner process, engine_kwargs engine='serving', "
+                         f"no LoRA, sync_dtype or rollout quantization (got num_rollout_workers={num_rollout_workers}, "
+                         f"learner_processes={learner_processes}, lora={lora!r}, sync_dtype={sync_dtype!r}, "
+                         f"rollout_quantization={rollout_quantization!r}, engine_kwargs={engine_kwargs!r})")
+    if not isinstance(num_reward_actors, int) or num_reward_actors < 1:
+        raise ValueError(f"make_topology: num_reward_actors must be a positive int, got {num_reward_actors!r}")
     if not isinstance(learner_processes, int) or learner_processes < 1:
         raise ValueError(f"make_topology: learner_processes must be a positive int, got {learner_processes!r}")
     if learner_processes > 1 and (algo != "grpo" or lora is not None):
@@ -114,13 +134,18 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
     # on a TPU cluster the learner and each rollout worker get a chip (the learner on a slice's worker 0)
     tpu = "resources" not in base and tpu_capacity()
     if tpu and learner_processes == 1:  # (a sharded learner holds its whole slice: TPUHostGroup reserves it)
-        require_tpu_chips(1 + num_rollout_workers, "make_topology (a learner and "
+        require_tpu_chips(1 + (0 if colocate else num_rollout_workers), "make_topology (a learner and "
                           f"{num_rollout_workers} rollout worker(s))", tpu)
     lopts = {**base, **(tpu_actor_options(slice_head=True, capacity=tpu) if tpu else {}), "max_restarts": max_restarts}
     largs = ((policy_fn,), {"algo": algo, "learner_kwargs": learner_kwargs, "seed": seed,
                             "bucket_bytes": bucket_bytes, "sync_dtype": sync_dtype,
                             "lora": lora})
-    if learner_processes > 1:
+    if colocate:  # one actor: the learner, and the rollout group's one worker (Ray restarts it, no recipe)
+        actor = ray.remote(ColocatedWorker).options(**lopts, max_concurrency=worker_concurrency).remote(
+            policy_fn, pad_id, algo=algo, learner_kwargs=learner_kwargs, seed=seed, engine_kwargs=engine_kwargs,
+            bucket_bytes=bucket_bytes)
+        learner, workers = LearnerClient(actor), WorkerGroup(ColocatedWorker, [actor])
+    elif learner_processes > 1:
         kw = {k: v for k, v in largs[1].items() if k not in ("learner_kwargs", "lora")}
         env = {k: v for k, v in _actor_env().items() if k != "XLA_FLAGS"}  # TPUHostGroup sets the device count
         learner = start_learner_group(policy_fn, learner_kwargs or {}, kw, learner_processes, learner_slice, env)
@@ -138,16 +163,19 @@ def make_topology(policy_fn: Callable[[], torch.nn.Module], pad_id: int, *, num_
                                 (LearnerWorker, *largs, lopts))
     wopts = {**base, **(tpu_actor_options(capacity=tpu) if tpu else {}), "max_restarts": max_restarts,
              "max_concurrency": worker_concurrency}
-    workers = WorkerGroup.start(RolloutWorker, num_rollout_workers, (policy_fn, pad_id), wopts,
-                                lambda i: {"worker_index": i, "engine_kwargs": engine_kwargs})
-    reward_actor = None
+    if not colocate:
+        workers = WorkerGroup.start(RolloutWorker, num_rollout_workers, (policy_fn, pad_id), wopts,
+                                    lambda i: {"worker_index": i, "engine_kwargs": engine_kwargs})
+    rewards = None
     ropts = {**base, "max_restarts": max_restarts}
     if reward_model_dir is not None:
-        reward_actor = ray.remote(RewardModelActor).options(**ropts).remote(model_dir=os.fspath(reward_model_dir))
+        rkw = {"model_dir": os.fspath(reward_model_dir)}
     elif reward_in_actor or reward_model_fn is not None:
-        reward_actor = ray.remote(RewardModelActor).options(**ropts).remote(
-            reward_fn=None if reward_model_fn is not None else reward_fn, model_fn=reward_model_fn, pad_id=pad_id)
-    return Topology(learner, workers, reward_actor)
+        rkw = {"reward_fn": None if reward_model_fn is not None else reward_fn, "model_fn": reward_model_fn,
+               "pad_id": pad_id}
+    if reward_model_dir is not None or reward_in_actor or reward_model_fn is not None:
+        rewards = WorkerGroup.start(RewardModelActor, num_reward_actors, (), ropts, lambda i: rkw)
+    return Topology(learner, workers, rewards, colocated=bool(colocate))
 
 
 # ------------------------------------------------------------------ Ray connection

@@ -184,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "recompute sequences when they run out)")
     g = p.add_argument_group("topology")
     g.add_argument("--rollout-workers", type=int, default=1)
+    g.add_argument("--colocate", action="store_true",
+                   help="the learner and the serving engine in one process on one device (verl's hybrid engine): "
+                        "the engine reads the learner's weights (a sync is a version bump), its KV pages are "
+                        "released while the learner trains; needs --engine serving, one rollout worker, --mode sync")
+    g.add_argument("--requests-per-worker", type=int, default=1,
+                   help="rollout requests (of whole prompt groups) per worker and step")
     g.add_argument("--learner-processes", type=int, default=1,
                    help="N > 1: the learner is N processes (one per host of a TPU slice of N hosts, TPUHostGroup) "
                         "training one FSDP2-sharded GRPO policy; weights sync through the object store")
@@ -836,29 +842,38 @@ class Trainer:
 
     ``model``: a local Hugging Face causal-LM directory. ``reward_funcs``: built-in names, ``MODULE:FUNCTION``
     specs, callables ``fn(prompts, completions, **columns) -> list`` or ``(name, fn)`` pairs. ``config``: a
-    YAML/TOML/JSON file, a mapping (flag names or TRL ``GRPOConfig`` / verl names, :data:`CONFIG_ALIASES`)
+    :class:`~torchtpu_rl.config.RunConfig` (its fields are the flags' names; its ``reward`` may stay None
+    when ``reward_funcs`` are given, as a TRL ``GRPOConfig`` has none), a YAML/TOML/JSON file, a mapping (flag names or TRL ``GRPOConfig`` / verl names, :data:`CONFIG_ALIASES`)
     or an ``argparse.Namespace`` of :func:`parse_args`. ``train_dataset`` / ``eval_dataset``: a jsonl or
     parquet path, a ``datasets.Dataset`` or a list of dicts. ``python -m torchtpu_rl.train`` is this class
     over the command line. Everything is checked when it is built (:class:`TrainError`, before Ray starts);
-    :meth:`train` runs and returns the summary.
+    :meth:`train` runs and returns the summary. Further keyword ``options`` are flags by name
+    (``prompt_key="messages"``, ``out="runs/x"``), applied over ``config``'s.
     """
 
     def __init__(self, model=None, reward_funcs=None, config=None, train_dataset=None, eval_dataset=None,
-                 reward_weights=None):
+                 reward_weights=None, **options):
         if isinstance(config, argparse.Namespace):
+            if options:
+                raise TrainError(f"Trainer: options {sorted(options)} beside an argparse.Namespace config: set "
+                                 "them on the namespace")
             args = config
         else:
             parser = build_parser()
             args = parser.parse_args([])
             if isinstance(config, (str, os.PathLike)):
                 opts = load_config(os.fspath(config), parser)
+            elif isinstance(config, RunConfig):
+                opts = config.flags()
             elif isinstance(config, dict):
                 opts = _options_from_mapping(config, "config", parser)
             elif config is None:
                 opts = {}
             else:
-                raise TrainError(f"Trainer: config must be a file path, a mapping or an argparse.Namespace, not "
+                raise TrainError(f"Trainer: config must be a RunConfig, a file path, a mapping or an argparse.Namespace, not "
                                  f"{type(config).__name__}")
+            if options:  # flag-named options over the config's (``prompt_key="messages"``, ``out=...``)
+                opts.update(_options_from_mapping(options, "Trainer", parser))
             for k, v in opts.items():
                 setattr(args, k, v)
             if args.bf16:
@@ -905,20 +920,22 @@ def _run(args, s: dict) -> dict:
         topo = make_topology(policy_fn, tokenizer.pad_token_id, num_rollout_workers=args.rollout_workers,
                              algo=args.algo, learner_kwargs=s["learner_kwargs"], engine_kwargs=s["engine_kwargs"],
                              seed=args.seed, lora=s["lora"], learner_processes=args.learner_processes,
+                             colocate=args.colocate,
                              sync_dtype=None if args.sync_dtype == "float32" else args.sync_dtype,
                              reward_model_dir=os.path.abspath(args.reward_model) if args.reward_model else None)
         outputs = None
         try:
             rewards = list(s["rewards"])
             weights = list(s["weights"])
-            if topo.reward_actor is not None:
-                rewards.append(("reward_model", ActorReward(topo.reward_actor)))
+            if topo.rewards is not None:
+                rewards.append(("reward_model", ActorReward(topo.rewards)))
                 weights.append(args.reward_model_weight)
             reward_set = RewardSet(rewards, weights)
             acc_name = reward_set.names[0]
             driver = RLDriver(topo, s["dataset"], reward_set, sampling=s["sampling"],
                               prompts_per_step=args.prompts_per_step, group_size=args.group_size, mode=args.mode,
                               max_staleness=args.max_staleness, transport=args.transport, seed=args.seed,
+                              requests_per_worker=args.requests_per_worker,
                               on_reward_error=args.on_reward_error,
                               max_reward_error_fraction=args.max_reward_error_fraction, tokenizer=tokenizer,
                               dynamic_sampling=args.max_sampling_rounds if args.dynamic_sampling else 0)

@@ -15,7 +15,8 @@ rank): the group numbers them per actor (:class:`CallOrder`) and the actor runs 
 
 :class:`WorkerGroup` owns the actors and the recipe to replace one that is out of restarts,
 counts the control messages it sends (``messages``), and collects answers, re-submitting a call
-whose actor died once the actor is back (:meth:`WorkerGroup.collect`). :class:`LearnerClient`
+whose actor died once the actor is back (:meth:`WorkerGroup.collect`, :meth:`WorkerGroup.scatter`): the
+rollout workers and the reward actors are such groups. :class:`LearnerClient`
 is the learner's side of the same: one actor (or a sharded ``LearnerGroup``), its death raised
 as :class:`~torchtpu_rl.protocol.LearnerDied`.
 
@@ -93,6 +94,11 @@ class CallOrder:
             self._next[i] += 1
             return s
 
+    def peek(self, i: int = 0) -> int:
+        """The number the next call to actor ``i`` will take (none is taken)."""
+        with self._lock:
+            return self._next[i] if i < len(self._next) else 0
+
 
 class InOrder:
     """The receiving side: calls on a threaded actor run one at a time in the order of their numbers.
@@ -121,6 +127,17 @@ class InOrder:
         finally:
             with self._cond:
                 self._next = seq + 1
+                self._cond.notify_all()
+
+    def expect(self, seq: Optional[int]) -> None:
+        """The next numbered call is ``seq``: an unnumbered call sent while none is in flight (a sync-mode
+        install) anchors the order of a process that has not seen a number yet (restarted, or new:
+        otherwise the first of two calls sent together could be overtaken by the second and wait for ever)."""
+        if seq is None:
+            return
+        with self._cond:
+            if self._next is None or self._next < seq:
+                self._next = int(seq)
                 self._cond.notify_all()
 
     def skip(self, seq: Optional[int]) -> None:
@@ -241,6 +258,13 @@ class WorkerGroup:
                 error = e
             on_death(i, req, error)
             pending[self.submit(i, method, req)] = (req, i)
+
+    def scatter(self, method: str, requests: Sequence, key: Callable, on_death: Callable) -> list:
+        """A :data:`ROUND_ROBIN` call gathered: the answers in request order (:meth:`map` then
+        :meth:`collect`, a request whose actor died run again on it once it is back)."""
+        results: dict = {}
+        self.collect(method, self.map(method, requests), results, key, on_death)
+        return [results[key(r)] for r in requests]
 
     # ------------------------------------------------------------ restarts
     def revive(self, i: int) -> tuple:

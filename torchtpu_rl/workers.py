@@ -35,15 +35,18 @@ import torch
 
 from . import checkpoint as _ckpt
 from . import weight_sync as ws
-from .protocol import (LearnerRestarted, RolloutBatch, RolloutRequest, RolloutResult, WorkerNotReady)
-from .worker_group import ONE_TO_ALL, ROUND_ROBIN, InOrder, call_restartable, dispatch
+from .protocol import (LearnerRestarted, RewardRequest, RolloutBatch, RolloutRequest, RolloutResult, WorkerNotReady,
+                       split_rewards)
+from .worker_group import ONE_TO_ALL, ROUND_ROBIN, InOrder, WorkerGroup, dispatch
 
 __all__ = [
     "ActorReward",
+    "ColocatedWorker",
     "ENGINES",
     "LearnerWorker",
     "RewardModelActor",
     "RolloutWorker",
+    "score_on_group",
 ]
 
 
@@ -88,21 +91,32 @@ class RolloutWorker:
                  engine_kwargs: Optional[dict] = None, device: str = "tpu"):
         import torchtpu  # noqa: F401  (registers the device in this actor process)
 
-        self.engine_name, cls, kw = rollout_engine(engine_kwargs)
-        self.worker_index = int(worker_index)
-        model = policy_fn()
-        self.engine = cls(model, pad_id, device=device, policy_version=-1, **kw)
-        # engine_kwargs["episodes"] (an EpisodeSpec): each prompt is a multi-turn episode (episodes.py)
-        spec = (engine_kwargs or {}).get("episodes")
-        self.episodes = None
+        name, cls, kw = rollout_engine(engine_kwargs)
+        self._attach(name, cls(policy_fn(), pad_id, device=device, policy_version=-1, **kw), worker_index,
+                     ws.WeightReceiver(device="tpu" if torch.device(device).type == "tpu" else "cpu"))
+        spec = (engine_kwargs or {}).get("episodes")  # an EpisodeSpec: each prompt is a multi-turn episode
         if spec is not None:
             from .episodes import EpisodeRunner
 
             self.episodes = EpisodeRunner(spec)
-        self.receiver = ws.WeightReceiver(device="tpu" if torch.device(device).type == "tpu" else "cpu")
+
+    @classmethod
+    def on_engine(cls, engine_name: str, engine, worker_index: int = 0) -> "RolloutWorker":
+        """A worker around an engine built elsewhere (a colocated learner's), receiving no weights."""
+        self = cls.__new__(cls)
+        self._attach(engine_name, engine, worker_index, None)
+        return self
+
+    def _attach(self, engine_name: str, engine, worker_index: int, receiver) -> None:
+        self.engine_name = engine_name
+        self.worker_index = int(worker_index)
+        self.engine = engine
+        self.receiver = receiver
+        self.episodes = None  # an EpisodeRunner when each prompt is a multi-turn episode (episodes.py)
         self.version = -1  # no weights from the learner yet
         self._order = InOrder()  # its lock is the generation lock
         self._generating = None  # request id in flight
+        self._sync_id = -1  # the newest object-store sync installed (see _install)
         self.started_at = time.time()
         self.counts = {"generate_calls": 0, "updates": 0}
 
@@ -147,10 +161,17 @@ class RolloutWorker:
         return reseed
 
     # ------------------------------------------------------------ weight updates
-    def _install(self, version: int, tensors: dict, seq: Optional[int]) -> dict:
+    def _install(self, version: int, tensors: dict, seq: Optional[int], sync_id: Optional[int] = None) -> dict:
         """pause -> drop the KV cache -> install -> set version -> resume; returns the install's
-        figures (seconds paused, tensors swapped / copied)."""
+        figures (seconds paused, tensors swapped / copied). ``sync_id``: the driver numbers its syncs
+        increasingly; an install of an older sync than one already installed (one a learner that died
+        had started, overtaken by the re-sync after its restart) is refused."""
         with self._order.turn(seq):  # waits for an in-flight generate to finish
+            if sync_id is not None:
+                if sync_id < self._sync_id:
+                    raise ws.SyncAborted(f"rollout worker {self.worker_index}: sync {sync_id} is older than the "
+                                         f"installed sync {self._sync_id}")
+                self._sync_id = int(sync_id)
             t0 = time.perf_counter()
             how = self.engine.update_weights(tensors, policy_version=version)
             self.version = int(version)
@@ -159,16 +180,19 @@ class RolloutWorker:
             return {"paused_s": dt, "install_s": dt, **{f"install_{k}": v for k, v in how.items()}}
 
     @dispatch(ONE_TO_ALL, ordered=True)
-    def update_weights(self, update: ws.WeightUpdate, seq: Optional[int] = None) -> dict:
-        """Install an object-store update (the one control call of a sync)."""
+    def update_weights(self, update: ws.WeightUpdate, sync_id: Optional[int] = None, next_seq: Optional[int] = None,
+                       seq: Optional[int] = None) -> dict:
+        """Install an object-store update: sent by the driver, numbered (``seq``), or by the learner
+        (``publish_to``), unnumbered, with the number of the next call the driver will send (``next_seq``)."""
         t0 = time.perf_counter()
+        self._order.expect(next_seq)
         try:
             update.plan.check_matches(self.engine.sync_reference(), who=f"rollout worker {self.worker_index}")
             tensors = self.receiver.receive(update)  # fetched outside the pause
         except BaseException:
             self._order.skip(seq)
             raise
-        installed = self._install(update.version, tensors, seq)
+        installed = self._install(update.version, tensors, seq, sync_id)
         return {"worker": self.worker_index, "version": self.version, "seconds": time.perf_counter() - t0,
                 **installed, **self.receiver.last_timings}
 
@@ -208,7 +232,7 @@ class RolloutWorker:
     def status(self) -> dict:
         return {"worker": self.worker_index, "pid": os.getpid(), "version": self.version,
                 "generating": self._generating, "started_at": self.started_at,
-                "group": self.receiver.group is not None, **self.counts}
+                "group": self.receiver is not None and self.receiver.group is not None, **self.counts}
 
     @dispatch(ONE_TO_ALL)
     def checksums(self) -> dict:
@@ -283,6 +307,17 @@ class LearnerWorker:
         """Object-store sync: put the weights (one object per bucket), return the small update."""
         self._check_restored("publish_weights")
         return self.sender.publish(self._weights(), self.policy_version)
+
+    def publish_to(self, workers: Sequence, sync_id: Optional[int] = None, next_seqs: Optional[Sequence] = None) -> dict:
+        """Object-store sync handed from the learner to the rollout group: publish, then start every
+        worker's install from here, so the driver sends one call for the whole group (its sync mode:
+        nothing is in flight on the workers, so the installs need no place in their call order; each is
+        told the number of the driver's next call to it, ``next_seqs``). Returns the update (the small
+        handle) and the installs' ObjectRefs, in worker order."""
+        update = self.publish_weights()
+        nxt = list(next_seqs) if next_seqs is not None else [None] * len(workers)
+        return {"update": update,
+                "installs": [w.update_weights.remote(update, sync_id, s) for w, s in zip(workers, nxt)]}
 
     def collective_setup(self, init_method: str, world_size: int, backend: str) -> int:
         if self.sender.group is not None:
@@ -359,8 +394,14 @@ class RewardModelActor:
             self.model = hf.load_reward_model(model_dir, dtype=dtype, device=device)
             self.tokenizer = hf.load_tokenizer(model_dir)
 
+    @dispatch(ONE_TO_ALL)
     def status(self) -> dict:
         return {"pid": os.getpid()}
+
+    @dispatch(ROUND_ROBIN)
+    def score_request(self, request: RewardRequest) -> list:
+        """Score one slice of a batch (the reward group's call: :func:`score_on_group`)."""
+        return self.score(request.prompts, request.responses, request.metadata)
 
     def score(self, prompts: list, responses: list, metadata: list) -> list:
         if self.reward_fn is not None:
@@ -391,15 +432,118 @@ class RewardModelActor:
         return [float(v) for v in vals]
 
 
-class ActorReward:
-    """A reward actor as a TRL-style reward function ``fn(prompts, completions, **columns)``, so a
-    reward model can sit in a :class:`~torchtpu_rl.rewards.RewardSet` beside programmatic
-    rewards, with its own weight."""
+def score_on_group(group: WorkerGroup, prompts: Sequence, responses: Sequence, metadata: Sequence,
+                   on_death: Optional[Callable] = None) -> list:
+    """Score a batch on a group of :class:`RewardModelActor` s: cut into one contiguous slice per
+    actor (round-robin dispatch), gathered in order. An actor that dies with a slice in flight is
+    brought back by its group (Ray's restart, or a new actor from the group's recipe) and the slice
+    scored again on it; ``on_death(actor_index, error)`` is told first."""
+    if not len(prompts):
+        return []
 
-    def __init__(self, actor, name: str = "reward_model"):
-        self.actor = actor
+    def died(i, request, e):
+        if on_death is not None:
+            on_death(i, e)
+        group.revive(i)
+
+    parts = group.scatter("score_request", split_rewards(prompts, responses, metadata, len(group)),
+                          lambda r: r.start, died)
+    return [float(v) for part in parts for v in part]
+
+
+class ActorReward:
+    """Reward actors as a TRL-style reward function ``fn(prompts, completions, **columns)``, so a
+    reward model can sit in a :class:`~torchtpu_rl.rewards.RewardSet` beside programmatic
+    rewards, with its own weight. ``group``: a :class:`~torchtpu_rl.worker_group.WorkerGroup` of
+    :class:`RewardModelActor` s (or one actor handle)."""
+
+    def __init__(self, group, name: str = "reward_model"):
+        self.group = group if isinstance(group, WorkerGroup) else WorkerGroup(RewardModelActor, [group])
         self.__name__ = name
 
     def __call__(self, prompts, completions, **columns):
-        # a reward actor that dies is restarted by Ray (make_topology's max_restarts): call again
-        return call_restartable(self.actor, "score", list(prompts), list(completions), [{}] * len(prompts))
+        return score_on_group(self.group, list(prompts), list(completions), [{}] * len(prompts))
+
+
+# ------------------------------------------------------------------ colocated mode
+def _sharing_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and buffers *are* ``model``'s (the same tensors: an update of
+    one is an update of the other) and whose own state (train/eval, attention implementation, config) is
+    separate, so a rollout engine can switch it to inference without touching the learner's module."""
+    import copy
+
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo=shared)
+
+
+class ColocatedWorker(LearnerWorker):
+    """Learner and rollout engine in one process on one device (verl's hybrid engine; ``--colocate``).
+
+    The engine is a :class:`~torchtpu_rl.serving.ServingEngine` over a copy of the policy that shares
+    the learner's parameters (:func:`_sharing_copy`): a weight sync is a version bump, no bytes copied.
+    Its KV pages are released before each learner step (``ServingEngine.release_memory``: the learner
+    has the device's memory) and allocated again at the sync after it (``publish_to``). The actor is
+    the learner (``LearnerWorker``'s methods) and the one rollout worker of its topology (``generate``,
+    ``status``, ``checksums`` of a :class:`RolloutWorker` around the engine); ``train_step`` adds
+    ``peak_memory_bytes`` (the device's peak over the step, KV pages released) and ``kv_bytes_released``."""
+
+    def __init__(self, policy_fn: Callable[[], torch.nn.Module], pad_id: int, algo: str = "grpo",
+                 learner_kwargs: Optional[dict] = None, seed: int = 0, engine_kwargs: Optional[dict] = None,
+                 device: str = "tpu", bucket_bytes: int = ws.DEFAULT_BUCKET_BYTES):
+        name, cls, kw = rollout_engine(engine_kwargs)
+        if name != "serving" or set(kw) & {"quantization", "lora", "dtype"}:
+            raise ValueError("ColocatedWorker: colocated mode runs the serving engine on the learner's own weights "
+                             f"(engine_kwargs={engine_kwargs!r}: no quantization, LoRA or other rollout dtype)")
+        LearnerWorker.__init__(self, policy_fn, algo=algo, learner_kwargs=learner_kwargs, seed=seed,
+                               bucket_bytes=bucket_bytes, device=device)
+        engine = cls(_sharing_copy(self.policy), pad_id, device=device, policy_version=-1, **kw)
+        self.rollout = RolloutWorker.on_engine(name, engine)
+
+    @property
+    def engine(self):
+        return self.rollout.engine
+
+    @dispatch(ROUND_ROBIN, ordered=True)
+    def generate(self, request: RolloutRequest, seq: Optional[int] = None) -> RolloutResult:
+        return self.rollout.generate(request, seq)
+
+    @dispatch(ONE_TO_ALL)
+    def status(self) -> dict:
+        return {**self.rollout.status(), "learner_version": self.policy_version, "started_at": self.started_at,
+                "kv_released": self.engine.memory_released}
+
+    def train_step(self, batch_state: dict, rewards: Sequence[float]) -> dict:
+        with self.rollout._order.lock:  # no generation while the learner has the device
+            freed = 0 if self.engine.memory_released else self.engine.release_memory()
+            mem = getattr(torch, "tpu", None) if torch.device(self.device).type == "tpu" else None
+            if mem is not None:
+                mem.reset_peak_memory_stats()
+            metrics = LearnerWorker.train_step(self, batch_state, rewards)
+            metrics["kv_bytes_released"] = int(freed)
+            if mem is not None:
+                metrics["peak_memory_bytes"] = int(mem.max_memory_allocated())
+        return metrics
+
+    def publish_to(self, workers: Sequence, sync_id: Optional[int] = None, next_seqs: Optional[Sequence] = None) -> dict:
+        """The sync of colocated mode: the KV pages back, the engine's version bumped to the learner's."""
+        self._check_restored("publish_to")
+        t0 = time.perf_counter()
+        with self.rollout._order.lock:
+            if self.engine.memory_released:
+                self.engine.resume_memory()
+            self.engine.drop_cache()  # prefixes computed under the old weights
+            self.engine.policy_version = self.rollout.version = self.policy_version
+            self.rollout._order.expect(next_seqs[0] if next_seqs else None)
+            self.rollout.counts["updates"] += 1
+        dt = time.perf_counter() - t0
+        return {"update": {"version": self.policy_version, "bytes": 0, "install_s": dt, "colocated": True},
+                "installs": []}
+
+    def publish_weights(self):
+        raise RuntimeError("ColocatedWorker: colocated mode syncs by a version bump (publish_to), not through the "
+                           "object store")
+
+    def load_checkpoint(self, path: str) -> Optional[dict]:
+        state = LearnerWorker.load_checkpoint(self, path)  # (in place: the engine still shares the parameters)
+        self.rollout.version = -1  # synced again by the driver after a load
+        return state

@@ -80,7 +80,8 @@ def test_run_config_takes_each_flag_into_its_part():
     (lambda: RolloutConfig(group_size=True), "--group-size must be a positive integer, not True"),
     (lambda: RolloutConfig(max_slots=4), "--max-slots sizes the serving engine: give --engine serving"),
     (lambda: RunConfig(reward=["format"], rollout=RolloutConfig(group_size=1)), "GRPO needs --group-size >= 2"),
-    (lambda: RunConfig(reward=None), r"give at least one --reward"),
+    (lambda: RunConfig.from_args({"reward": None}), r"give at least one --reward"),
+    (lambda: RunConfig(reward=[]), r"give at least one --reward"),
     (lambda: RunConfig(reward=["a"], learner=LearnerConfig(learner_processes=2, algo="ppo")),
      "--learner-processes 2 .*sharded learner"),
 ])
@@ -145,3 +146,27 @@ def test_calls_run_in_the_order_they_were_numbered_whatever_the_threads():
     for t in threads:
         t.join(10)
     assert ran == list(range(16)) + [17]
+
+
+def test_an_expected_number_anchors_a_fresh_process_order():
+    """A fresh InOrder told the next number (``expect``: a sync-mode install sent before any numbered call)
+    runs two numbered calls in order even when the second arrives first; without it the second would
+    start the count and the first wait for ever. An expect behind the count changes nothing."""
+    order, inorder, ran = CallOrder(1), InOrder(), []
+    order.take(), order.take()  # calls 0 and 1 went to a process that died
+    assert order.peek() == 2
+    inorder.expect(order.peek())
+    inorder.expect(1)  # (behind: ignored)
+    seqs = [order.take(), order.take()]
+
+    def call(seq):
+        with inorder.turn(seq):
+            ran.append(seq)
+
+    threads = [threading.Thread(target=call, args=(s,)) for s in reversed(seqs)]
+    for t in threads:
+        t.start()
+        time.sleep(0.01)
+    for t in threads:
+        t.join(10)
+    assert ran == [2, 3] and not any(t.is_alive() for t in threads)

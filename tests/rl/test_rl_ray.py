@@ -21,6 +21,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import rl_common  # noqa: E402
+from helpers import eventually  # noqa: E402
 
 ANSWER_LEN = 4
 
@@ -92,17 +93,23 @@ def test_weight_sync_checksums(topo, transport, backend):
 
 @pytest.mark.parametrize("requests_per_worker", [1, 2])
 def test_control_messages_per_step(topo, requests_per_worker):
-    """A sync step sends N + R + 2 control messages for N rollout requests on R workers: N generate
-    calls, train_step and publish_weights, one weight update per worker (handed the publish call's
-    reference: the driver does not relay the update). The first step adds the version query and the
-    initial sync (publish + R updates)."""
+    """A sync-mode step sends N + 2 control messages for N rollout requests, whatever the number R of
+    workers: N generate calls, train_step, and one publish_to with which the learner hands the update to
+    the whole rollout group (the driver neither relays the update nor calls each worker). The first step
+    adds the version query and the initial sync (one publish_to). Every worker installed every update."""
+    import ray
+
     d = _driver(topo, requests_per_worker=requests_per_worker)
     N, R = 2 * requests_per_worker, len(topo.workers)
+    updates = [st["updates"] for st in ray.get([w.status.remote() for w in topo.workers])]
     d.step()
-    assert d.control_messages == 1 + (1 + R) + (N + R + 2)
+    assert d.control_messages == 1 + 1 + (N + 2)
     before = d.control_messages
-    d.step()
-    assert d.control_messages - before == N + R + 2
+    m = d.step()
+    assert d.control_messages - before == N + 2 and R == 2
+    status = ray.get([w.status.remote() for w in topo.workers])
+    assert [st["updates"] - u for st, u in zip(status, updates)] == [3] * R  # the initial sync and two steps
+    assert [st["version"] for st in status] == [m["policy_version"]] * R
 
 
 def test_reward_errors_name_the_sample(topo):
@@ -139,6 +146,52 @@ def test_dynamic_sampling_fills_the_step_with_informative_groups(topo):
     informative = sum(1 for g in groups if max(g) > min(g))
     assert informative == 4 - m["dynamic_sampling_short_groups"]
     assert all(b.prompts()[g * 4][1] % 2 == 0 for g in range(informative))  # odd-start groups only as filler
+
+
+def test_reward_actors_are_a_group_that_scores_in_slices_and_replaces_a_dead_actor(ray_driver):
+    """Reward actors as a WorkerGroup: a batch is cut into one slice per actor (round-robin dispatch) and
+    put back in order; an actor killed for good (no restarts left) is started again from the group's
+    recipe and its slice scored again on the new one."""
+    import ray
+    from ray import cloudpickle
+
+    from torchtpu_rl.workers import RewardModelActor, score_on_group
+    from torchtpu_rl.worker_group import WorkerGroup
+
+    cloudpickle.register_pickle_by_value(rl_common)  # the actors get digit_reward by value
+    group = WorkerGroup.start(RewardModelActor, 3, (), {"num_cpus": 0, "max_restarts": 0},
+                              lambda i: {"reward_fn": rl_common.digit_reward}, recovery_timeout_s=60)
+    try:
+        items = rl_common.make_items(ANSWER_LEN)[:7]
+        prompts = [p for p, _ in items]
+        # right up to position j % (ANSWER_LEN + 1): the rewards differ, so an order mix-up shows
+        responses = [[(p[-1] + 1 + k) % 10 if k < j % (ANSWER_LEN + 1) else rl_common.BOS for k in range(ANSWER_LEN)]
+                     for j, p in enumerate(prompts)]
+        answers = [a for _, a in items]
+        want = [float(v) for v in rl_common.digit_reward(prompts, responses, answers)]
+        assert len(set(want)) > 2
+        assert score_on_group(group, prompts, responses, answers) == want
+        # one slice per actor: 7 samples on 3 actors are 2 + 2 + 3, every actor called once
+        pids = {ray.get(a.status.remote())["pid"] for a in group}
+        assert len(pids) == 3 and group.messages == 3
+        ray.kill(group[1], no_restart=True)
+
+        def dead():  # (the kill lands asynchronously: the old process may still answer once)
+            try:
+                ray.get(group[1].status.remote(), timeout=30)
+                return False
+            except ray.exceptions.RayActorError:
+                return True
+
+        eventually(dead, what="the killed reward actor to be dead")
+        deaths = []
+        assert score_on_group(group, prompts, responses, answers, lambda i, e: deaths.append(i)) == want
+        assert deaths == [1] and group.replaced == 1
+        assert ray.get(group[1].status.remote())["pid"] not in pids
+        assert score_on_group(group, [], [], []) == []
+    finally:
+        for a in group:
+            ray.kill(a, no_restart=True)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -63,6 +63,9 @@ def test_serving_engine_run_reports_its_figures_per_step(serving_run):
     (["--engine", "serving", "--rollout-quantization", "int8"], "--rollout-quantization int8: the serving engine"),
     (["--engine", "serving", "--rollout-dtype", "bfloat16"], "--rollout-dtype bfloat16: the serving engine"),
     (["--engine", "serving", "--lora-rank", "4"], "--lora-rank 4: the serving engine .* does not merge LoRA"),
+    (["--colocate"], "--colocate .* needs --engine serving"),
+    (["--colocate", "--engine", "serving", "--mode", "async", "--rollout-workers", "2"],
+     "--colocate .* needs --rollout-workers 1, --mode sync"),
 ])
 def test_bad_engine_flags_exit_2_naming_the_flag_before_ray_starts(run_inputs, tmp_path, capsys,  # noqa: F811
                                                                   flags, message):
@@ -111,3 +114,132 @@ def test_step_figures_combine_over_workers():
                                            "prefix_hit_tokens": 4, "preemptions": 1, "kv_pages_peak": 9,
                                            "row_utilization": (30 + 10) / 50}
     assert driver.engine_stats([result(seconds=1.0, response_tokens=3)]) == {}  # the static engine's figures
+
+
+def test_trainer_takes_a_run_config_as_it_takes_the_same_options_as_a_mapping(run_inputs):  # noqa: F811
+    """``Trainer(model=, reward_funcs=, config=RunConfig(...), train_dataset=)``: the typed config in TRL's
+    shape (no reward of its own: the reward functions come beside it) builds the run a mapping of the same
+    options builds; a RunConfig's bad value fails where it is made, naming the flag."""
+    from torchtpu_rl.config import ConfigError, LearnerConfig, RolloutConfig, RunConfig, SyncConfig
+
+    cfg = yaml.safe_load((run_inputs / "run.yaml").read_text())
+    model, data = cfg.pop("model"), cfg.pop("data")
+    typed = RunConfig(rollout=RolloutConfig(prompts_per_step=2, group_size=4, max_new_tokens=8, max_prompt_tokens=32,
+                                            requests_per_worker=2),
+                      learner=LearnerConfig(lr=0.5, kl_coef=0.01, entropy_coef=0.01),
+                      sync=SyncConfig(mode="async", max_staleness=2), seed=3, steps=5)
+    a = train.Trainer(model=model, reward_funcs=["math_answer", "format"], config=typed, train_dataset=data,
+                      reward_weights=[1.0, 0.1], prompt_key=cfg["prompt_key"], format_regex=cfg["format_regex"])
+    mapping = {**{k: cfg[k] for k in ("prompt_key", "format_regex")}, "prompts_per_step": 2, "group_size": 4,
+               "max_new_tokens": 8, "max_prompt_tokens": 32, "requests_per_worker": 2, "lr": 0.5, "kl_coef": 0.01,
+               "entropy_coef": 0.01, "mode": "async", "max_staleness": 2, "seed": 3, "steps": 5}
+    b = train.Trainer(model=model, reward_funcs=["math_answer", "format"], config=mapping, train_dataset=data,
+                      reward_weights=[1.0, 0.1])
+    assert a.setup["learner_kwargs"] == b.setup["learner_kwargs"]
+    assert a.setup["learner_kwargs"]["entropy_coef"] == 0.01 and a.setup["learner_kwargs"]["lr"] == 0.5
+    assert a.setup["engine_kwargs"] == b.setup["engine_kwargs"] and a.setup["sampling"] == b.setup["sampling"]
+    assert (a.args.mode, a.args.max_staleness, a.args.requests_per_worker, a.args.steps) == ("async", 2, 2, 5)
+    assert [n for n, _ in a.setup["rewards"]] == ["math_answer", "format"]
+    with pytest.raises(ConfigError, match="--entropy-coef must be a finite number, not nan"):
+        LearnerConfig(entropy_coef=float("nan"))
+    with pytest.raises(train.TrainError, match="give at least one --reward"):  # no rewards anywhere
+        train.Trainer(model=model, config=typed, train_dataset=data, prompt_key=cfg["prompt_key"])
+
+
+def test_colocated_grpo_run_equals_the_two_actor_run_with_the_same_seeds(ray_driver, run_inputs):  # noqa: F811
+    """``make_topology(colocate=True)``: the learner and a serving engine on its own parameters in one
+    actor (a sync is a version bump: 0 bytes, the KV pages released while the learner trains). A short
+    GRPO run gives the same rollouts, rewards, losses and final weights as a learner actor beside a
+    rollout-worker actor with the same seeds, in N + 2 control messages a step."""
+    import functools
+
+    import ray
+
+    from torchtpu_rl import hf
+    from torchtpu_rl.driver import PromptDataset, RLDriver
+    from torchtpu_rl.protocol import SamplingParams
+    from torchtpu_rl.topology import make_topology
+
+    tok = hf.load_tokenizer(str(run_inputs / "model"))
+    policy_fn = functools.partial(hf.load_policy, str(run_inputs / "model"), device="cpu")
+    engine = {"engine": "serving", "max_slots": 8, "page_size": 8, "kv_pages": 16}
+    items = [(tok.encode(t)[:12], None) for t in ("one plus two", "three times four", "five minus one", "six")]
+
+    def reward(prompts, responses, metas):  # a deterministic function of the tokens
+        return [sum(t % 3 == 0 for t in r) / max(1, len(r)) for r in responses]
+
+    def run(colocate: bool):
+        topo = make_topology(policy_fn, tok.pad_token_id, num_rollout_workers=1, colocate=colocate,
+                             learner_kwargs={"group_size": 4, "lr": 0.05, "kl_coef": 0.01}, engine_kwargs=engine,
+                             seed=0)
+        try:
+            d = RLDriver(topo, PromptDataset(items, seed=0), reward, sampling=SamplingParams(max_new_tokens=6),
+                         prompts_per_step=2, group_size=4, seed=3)
+            steps = [d.step()]
+            before = d.control_messages
+            steps.append(d.step())
+            return (steps, d.control_messages - before, d.last_batch.responses(),
+                    ray.get(topo.learner.checksums.remote()), ray.get(topo.workers[0].status.remote()))
+        finally:
+            topo.shutdown()
+
+    apart, colocated = run(False), run(True)
+    keys = ["reward_mean", "policy_version", "pg_loss", "kl", "response_tokens", "staleness"]
+    assert [[m[k] for k in keys] for m in colocated[0]] == [[m[k] for k in keys] for m in apart[0]]
+    assert colocated[2] == apart[2] and colocated[3] == apart[3]  # the same tokens, the same final weights
+    assert apart[1] == colocated[1] == 1 + 2  # one request (2 prompts on one worker), train_step, publish_to
+    for m in colocated[0]:
+        assert m["sync_bytes"] == 0 and m["kv_bytes_released"] > 0 and m["peak_memory_bytes"] > 0
+    assert colocated[4]["version"] == colocated[0][-1]["policy_version"] and not colocated[4]["kv_released"]
+    assert apart[0][-1]["sync_bytes"] > 0
+
+
+def test_colocated_topology_refuses_what_it_cannot_run(ray_driver):
+    from torchtpu_rl.topology import make_topology
+
+    with pytest.raises(ValueError, match="colocate=True runs one ColocatedWorker .*num_rollout_workers=2"):
+        make_topology(lambda: None, 0, num_rollout_workers=2, colocate=True, engine_kwargs={"engine": "serving"})
+    with pytest.raises(ValueError, match="colocate=True .*engine_kwargs=None"):
+        make_topology(lambda: None, 0, colocate=True)
+
+
+def test_a_killed_colocated_actor_is_restored_from_the_last_checkpoint(ray_driver, run_inputs, tmp_path):  # noqa: F811
+    """The colocated actor is the learner and the rollout worker at once: killed while its rollouts are in
+    flight, it is restarted by Ray, the last checkpoint is loaded into it, its engine is synced by a version
+    bump again, and the run goes on from the checkpoint's step."""
+    import functools
+
+    import ray
+
+    from torchtpu_rl import hf
+    from torchtpu_rl.driver import PromptDataset, RLDriver
+    from torchtpu_rl.protocol import SamplingParams
+    from torchtpu_rl.topology import make_topology
+
+    tok = hf.load_tokenizer(str(run_inputs / "model"))
+    topo = make_topology(functools.partial(hf.load_policy, str(run_inputs / "model"), device="cpu"),
+                         tok.pad_token_id, colocate=True, learner_kwargs={"group_size": 4, "lr": 0.05, "kl_coef": 0.0},
+                         engine_kwargs={"engine": "serving", "max_slots": 8, "page_size": 8, "kv_pages": 16},
+                         max_restarts=2)
+    try:
+        items = [(tok.encode(t)[:12], None) for t in ("one plus two", "three times four")]
+        d = RLDriver(topo, PromptDataset(items, seed=0), lambda p, r, m: [len(x) / 6 for x in r],
+                     sampling=SamplingParams(max_new_tokens=6), prompts_per_step=2, group_size=4, seed=3,
+                     checkpoint_dir=str(tmp_path), checkpoint_every=1)
+        pid = ray.get(topo.learner.status.remote())["pid"]
+        killed = []
+
+        def queued(driver, step):
+            if step == 1 and not killed:
+                ray.kill(topo.learner, no_restart=False)
+                killed.append(step)
+
+        d.on_rollouts_queued = queued
+        out = d.run(3, progress=False)
+        kinds = [e["event"] for e in d.events]
+        assert killed and "learner_died" in kinds and "learner_restored" in kinds, d.events
+        assert [m["step"] for m in out] == [1, 2, 3] and out[-1]["policy_version"] == 3
+        status = ray.get(topo.learner.status.remote())
+        assert status["pid"] != pid and status["version"] == 3 and not status["kv_released"]
+    finally:
+        topo.shutdown()
