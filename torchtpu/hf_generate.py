@@ -10,10 +10,15 @@ shapes instead:
 - the prompt is left-padded to a power-of-two bucket (pad tokens, attention mask 0) and a
   ``StaticCache`` of a bucketed length ``L >= padded prompt + max_new_tokens`` holds the keys
   and values, whichever cache the user asked for (a DynamicCache's output is the same tokens);
-- the sequences live in one ``[batch, L]`` buffer; each new token is written with ``index_copy_``
-  at a device-side step index, and the position ids advance as a device tensor, so every decode
-  step runs the same programs: one compiled forward (``torch.compile`` with the ``"tpu"``
-  backend, as transformers does for a static cache) plus a few fixed-shape eager ops;
+- the padded prompt, the sequences' ``[batch, L]`` buffer, the attention mask and the position ids
+  are built on the host from the prompt (small copies, no device program per prompt length);
+- every decode step runs the same two programs: the compiled forward (``torch.compile`` with the
+  ``"tpu"`` backend, as transformers does for a static cache) returning the last position's float32
+  logits, and one JAX program choosing the token (argmax, or a draw from the softmax with the
+  global tpu stream's key), writing it into the buffer at a device-side step index and advancing the
+  position ids and the end-of-sequence bookkeeping; the logits processors run between the two;
+- Hugging Face's own set-up before its loop (a dozen small ops at the prompt's shape) runs under
+  DeferAndFuse, so it is a few fused programs, not one per op;
 - the attention mask is built once at length ``L``: the prompt's mask (zeros at the left
   padding), then ones. Hugging Face appends a one per generated token, and a column past the
   current position is hidden by the causal mask anyway, so every step attends to exactly the
@@ -27,8 +32,9 @@ shapes instead:
   finished sequences keep taking are counted on the device, so the output is cut at exactly the
   step where Hugging Face's loop stops.
 
-A new prompt-length bucket or cache bucket compiles a few programs (the compiled prefill and
-decode forwards and the buffer set-up); after that a call compiles nothing. What the fast path
+A first call compiles 6 programs (Hugging Face's set-up: 3, the prefill and decode forwards, the
+token choice); a new prompt length in a known bucket compiles Hugging Face's set-up only (3); after
+that a call compiles nothing. What the fast path
 does not cover runs Hugging Face's own loop unchanged: encoder-decoder models, streamers,
 ``return_dict_in_generate``, a cache passed in by the user, stopping criteria other than
 max-length and end-of-sequence, ``prefill_chunk_size``, ``inputs_embeds``, models without
