@@ -30,9 +30,6 @@ def test_grpo_trainer_on_tpu_matches_cpu(tmp_path, bf16, metrics):
     # so the two runs see the same completions; the reward differs within each group (by its place in the
     # batch), so the advantages, the loss and the update are not zero. SGD: Adam's first steps are
     # lr * sign(grad), which turns rounding-level gradient differences on unused rows into lr-sized ones
-    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
     ds = datasets.Dataset.from_dict({"prompt": ["the answer is", "one plus two", "hello", "two is"]})
 
     def reward(completions, **kw):
@@ -41,6 +38,10 @@ def test_grpo_trainer_on_tpu_matches_cpu(tmp_path, bf16, metrics):
     def run(use_cpu):
         accelerate = pytest.importorskip("accelerate")
         accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+        # a config per run: training sets model.config.use_cache = False, and the config object is shared
+        cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(cfg)
         args = trl.GRPOConfig(output_dir=str(tmp_path / str(use_cpu)), per_device_train_batch_size=4,
@@ -59,7 +60,8 @@ def test_grpo_trainer_on_tpu_matches_cpu(tmp_path, bf16, metrics):
     fast = torchtpu.hf_generate.stats()["fast_calls"]
     tpu_dev, tpu_logs, tpu_w = run(False)
     assert (cpu_dev, tpu_dev) == ("cpu", "tpu")
-    assert torchtpu.hf_generate.stats()["fast_calls"] >= fast + 2  # each step generated on tpu at fixed shapes
+    # each step generated on tpu at fixed shapes
+    assert torchtpu.hf_generate.stats()["fast_calls"] >= fast + 2, torchtpu.hf_generate.stats()
     assert not metrics.snapshot()["cpu_fallbacks"]  # generation, loss and optimizer step all on tpu
     tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-4, atol=1e-4)
     for key in ("loss", "reward", "completions/mean_length", "grad_norm"):
