@@ -13,6 +13,11 @@ Each tpu side is called once first (its compiling call, reported apart, with the
 compiled); the timed calls, interleaved side after side over ``--repeats``, must compile nothing.
 ``--full`` is the issue's size (128 sequences, hidden 256, 4 layers, vocab 2048).
 
+``--grpo-steps N`` (default 3; 0 skips it) also times TRL's ``GRPOTrainer`` with the same model on tpu
+and on CPU (``use_cpu=True``): ``--grpo-prompts`` prompts x ``--grpo-group`` completions of up to
+``--grpo-completion`` tokens per step, a local BPE tokenizer, a length reward; the median of the steps
+after the first (which compiles on tpu) is compared.
+
     python benchmarks/bench_hf_generate.py --out runs/bench_hf_generate.json
     python benchmarks/bench_hf_generate.py --full
 """
@@ -54,6 +59,10 @@ def main():
     p.add_argument("--mean-len", type=int, default=48, help="mean drawn length of the long-tailed workload")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--full", action="store_true", help="the issue's size: 128 sequences, hidden 256, 4 layers")
+    p.add_argument("--grpo-steps", type=int, default=3)
+    p.add_argument("--grpo-prompts", type=int, default=4)
+    p.add_argument("--grpo-group", type=int, default=8)
+    p.add_argument("--grpo-completion", type=int, default=64)
     p.add_argument("--threads", type=int, default=THREADS)
     p.add_argument("--out", default="runs/bench_hf_generate.json")
     args = p.parse_args()
@@ -136,9 +145,66 @@ def main():
     for k, v in ratios.items():
         print(f"  {k:<45} {v:6.2f}x")
     print(f"  compiles during the timed calls: {timed_compiles} (must be 0)")
+    grpo = {}
+    if args.grpo_steps > 1:
+        for dev in ("tpu", "cpu"):
+            grpo[dev] = grpo_step_seconds(args, use_cpu=dev == "cpu")
+        ratios["grpo_step tpu/cpu speed"] = grpo["cpu"]["warm_step_s"] / grpo["tpu"]["warm_step_s"]
+        for dev, r in grpo.items():
+            print(f"  GRPOTrainer step on {dev}: first {r['first_step_s']:.1f} s, warm {r['warm_step_s']:.2f} s")
+        print(f"  {'grpo_step tpu/cpu speed':<45} {ratios['grpo_step tpu/cpu speed']:6.2f}x")
     common.write_json(args.out, {"benchmark": "hf_generate", "config": vars(args), "env": common.environment(THREADS),
                                  "results": res, "ratios": ratios, "compiles_during_timed_calls": timed_compiles,
+                                 "grpo_trainer": grpo,
                                  "cpu_fallbacks": torchtpu.metrics.snapshot()["cpu_fallbacks"]})
+
+
+def grpo_step_seconds(args, use_cpu):
+    """Seconds of each ``GRPOTrainer`` step (generation, rewards, loss, optimizer step) with the benchmark's
+    model, on tpu or on CPU."""
+    import datasets
+    import transformers
+    import trl
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    text = [f"{a} plus {b} is {a + b}" for a in range(40) for b in range(40)]
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=min(args.vocab, 512),
+                                                      special_tokens=["<pad>", "<s>", "</s>"]))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                     pad_token="<pad>")
+    prompts = [f"{a} plus {a + 1} is" for a in range(args.grpo_prompts)]
+    ds = datasets.Dataset.from_dict({"prompt": prompts * args.grpo_steps})
+
+    class StepTimes(transformers.TrainerCallback):
+        def __init__(self):
+            self.times, self.t0 = [], None
+
+        def on_step_begin(self, *a, **k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            self.times.append(time.perf_counter() - self.t0)
+
+    def reward(completions, **kw):
+        return [len(c) / 100 for c in completions]
+
+    model = common.tiny_qwen2(args).train()
+    cfg = trl.GRPOConfig(output_dir=f"runs/bench_hf_generate_grpo_{'cpu' if use_cpu else 'tpu'}",
+                         per_device_train_batch_size=args.grpo_prompts * args.grpo_group,
+                         num_generations=args.grpo_group, max_completion_length=args.grpo_completion,
+                         max_steps=args.grpo_steps, learning_rate=1e-5, report_to="none", seed=0, save_strategy="no",
+                         logging_steps=1, use_cpu=use_cpu)
+    times = StepTimes()
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds,
+                              processing_class=tokenizer, callbacks=[times])
+    trainer.train()
+    import accelerate  # its state is a process singleton: the next run picks its own device
+
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+    return {"device": trainer.args.device.type, "steps_s": times.times, "first_step_s": times.times[0],
+            "warm_step_s": statistics.median(times.times[1:])}
 
 
 if __name__ == "__main__":

@@ -30,5 +30,14 @@ pip install -q -c constraints.txt -e ".[test,rl,rec,ray]"
 # torchrec's metadata asks for the CUDA fbgemm-gpu; its real needs are the [rec] extra
 pip install -q -c constraints.txt --no-deps "torchrec==1.8.0"
 .venv/bin/python -c "import torch, jax, torchrec, ray, torchtpu; assert torch.__version__.startswith('2.13.0')"
+# every requirement met but one: torchrec's unversioned "fbgemm-gpu", which on PyPI is the CUDA build;
+# the CPU build it needs here is "fbgemm-gpu-cpu" (same module, another distribution name). Anything else fails.
+check=$(pip check 2>&1 || true)
+others=$(printf '%s\n' "$check" | grep -v -e '^No broken requirements found' -e '^torchrec [0-9.]* requires fbgemm-gpu, which is not installed' -e '^$' || true)
+if [ -n "$others" ]; then
+  echo "setup.sh: pip check found broken requirements:" >&2
+  echo "$others" >&2
+  exit 1
+fi
 build_hooks
 echo "$want" > "$stamp"

@@ -10,10 +10,15 @@ shapes instead:
 - the prompt is left-padded to a power-of-two bucket (pad tokens, attention mask 0) and a
   ``StaticCache`` of a bucketed length ``L >= padded prompt + max_new_tokens`` holds the keys
   and values, whichever cache the user asked for (a DynamicCache's output is the same tokens);
-- the sequences live in one ``[batch, L]`` buffer; each new token is written with ``index_copy_``
-  at a device-side step index, and the position ids advance as a device tensor, so every decode
-  step runs the same programs: one compiled forward (``torch.compile`` with the ``"tpu"``
-  backend, as transformers does for a static cache) plus a few fixed-shape eager ops;
+- the padded prompt, the sequences' ``[batch, L]`` buffer, the attention mask and the position ids
+  are built on the host from the prompt (small copies, no device program per prompt length);
+- every decode step runs the same two programs: the compiled forward (``torch.compile`` with the
+  ``"tpu"`` backend, as transformers does for a static cache) returning the last position's float32
+  logits, and one JAX program choosing the token (argmax, or a draw from the softmax with the
+  global tpu stream's key), writing it into the buffer at a device-side step index and advancing the
+  position ids and the end-of-sequence bookkeeping; the logits processors run between the two;
+- Hugging Face's own set-up before its loop (a dozen small ops at the prompt's shape) runs under
+  DeferAndFuse, so it is a few fused programs, not one per op;
 - the attention mask is built once at length ``L``: the prompt's mask (zeros at the left
   padding), then ones. Hugging Face appends a one per generated token, and a column past the
   current position is hidden by the causal mask anyway, so every step attends to exactly the
@@ -27,8 +32,9 @@ shapes instead:
   finished sequences keep taking are counted on the device, so the output is cut at exactly the
   step where Hugging Face's loop stops.
 
-A new prompt-length bucket or cache bucket compiles a few programs (the compiled prefill and
-decode forwards and the buffer set-up); after that a call compiles nothing. What the fast path
+A first call compiles 6 programs (Hugging Face's set-up: 3, the prefill and decode forwards, the
+token choice); a new prompt length in a known bucket compiles Hugging Face's set-up only (3); after
+that a call compiles nothing. What the fast path
 does not cover runs Hugging Face's own loop unchanged: encoder-decoder models, streamers,
 ``return_dict_in_generate``, a cache passed in by the user, stopping criteria other than
 max-length and end-of-sequence, ``prefill_chunk_size``, ``inputs_embeds``, models without
@@ -41,9 +47,14 @@ import functools
 import os
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
 
+from .base import rng
 from .bucketing import BucketPolicy
+from .runtime.modes import deferring, execution_mode
 
 SYNC_EVERY = 4  # decode steps between host reads of "every sequence finished"
 LENGTHS = BucketPolicy.pow2(16, 1 << 20, name="hf_generate")  # padded prompt and cache lengths
@@ -84,8 +95,27 @@ def install() -> None:
         return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
                         synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
 
+    original_generate = GenerationMixin.generate
+
+    @functools.wraps(original_generate)
+    def generate(self, *args, **kwargs):
+        # Hugging Face's set-up before the loop (special tokens, position ids, processor checks) is a
+        # dozen small ops at the prompt's shape: fused into a few programs instead of one per op
+        if enabled() and not deferring() and _device_type(self) == "tpu":
+            with execution_mode("defer_and_fuse"):
+                return original_generate(self, *args, **kwargs)
+        return original_generate(self, *args, **kwargs)
+
     GenerationMixin._sample = _sample
+    GenerationMixin.generate = generate
     _state["installed"] = True
+
+
+def _device_type(model):
+    try:
+        return next(model.parameters()).device.type
+    except (StopIteration, AttributeError):
+        return None
 
 
 def install_when_imported() -> None:
@@ -155,15 +185,76 @@ def _unsupported(model, stopping_criteria, cfg, synced_gpus, streamer, model_kwa
     return None
 
 
-def _compiled(model, kind):
-    """One ``torch.compile`` of the model's call per kind ("prefill", "decode"), with the ``"tpu"``
-    backend and static shapes: separate objects, so prompt buckets never evict the decode graph."""
-    attr = f"_torchtpu_{kind}_call"
-    fn = model.__dict__.get(attr)
+def _programs(model):
+    """The compiled forward of ``model``'s fixed-shape loop (``torch.compile``, backend ``"tpu"``,
+    static shapes), made once per model: the model's call, returning the last position's float32
+    logits. The prefill's and the decode's shapes are separate specializations, so neither evicts
+    the other; each compiles once per (batch, bucket) shape."""
+    fn = model.__dict__.get("_torchtpu_generate_logits")
     if fn is None:
-        fn = torch.compile(model.__call__, backend="tpu", dynamic=False)
-        model.__dict__[attr] = fn
+        def logits(**kw):
+            return model(**kw).logits[:, -1].to(dtype=torch.float32)
+
+        fn = torch.compile(logits, backend="tpu", dynamic=False)
+        model.__dict__["_torchtpu_generate_logits"] = fn
     return fn
+
+
+@functools.partial(jax.jit, static_argnames=("shapes", "do_sample", "has_eos"))
+def _select_program(scores, seq, write_at, unfinished, steps_alive, pos, eos, pad, key, *, shapes, do_sample,
+                    has_eos):
+    """The token choice and its bookkeeping, one program per (batch, vocab, buffer) shape: argmax, or a
+    draw from softmax(scores) (as ``torch.multinomial`` of it, with the key of the global tpu stream);
+    rows already finished get ``pad``; the token is written at column ``write_at`` of ``seq``, and the
+    position ids advance. Inputs come flat (the storages' own buffers) and are shaped here."""
+    scores, seq, pos = (a.reshape(shape) for a, shape in zip((scores, seq, pos), shapes))
+    write_at, steps_alive, pad = write_at.reshape(()), steps_alive.reshape(()), pad.reshape(())
+    if do_sample:
+        token = jax.random.categorical(jax.random.wrap_key_data(key), scores, axis=-1)
+    else:
+        token = jnp.argmax(scores, axis=-1)
+    token = token.astype(seq.dtype)
+    if has_eos:
+        token = token * unfinished + pad * (1 - unfinished)
+        unfinished = unfinished & ~jnp.isin(token, eos)
+    alive = unfinished.max()
+    seq = jax.lax.dynamic_update_slice(seq, token[:, None], (jnp.zeros((), write_at.dtype), write_at))
+    return token[:, None], seq, write_at + 1, unfinished, steps_alive + alive, alive, pos + 1
+
+
+_NO_EOS = np.zeros((1,), np.int64)
+
+
+def _select(scores, seq, write_at, unfinished, steps_alive, pos, eos, pad, do_sample: bool):
+    """:func:`_select_program` on tpu tensors (a JAX program: Dynamo does not trace torchtpu's own code,
+    so a ``torch.compile`` here would run op by op). Returns (the token as a column, seq, write_at + 1,
+    unfinished, steps_alive + any row unfinished, that flag, pos + 1) as new tensors."""
+    from .interop import from_jax, to_jax
+
+    key = rng.next_key_data() if do_sample else np.zeros(2, np.uint32)
+    outs = _select_program(*(to_jax(t.contiguous(), flat=True) for t in (scores, seq, write_at, unfinished,
+                                                                         steps_alive, pos)),
+                           _NO_EOS if eos is None else to_jax(eos, flat=True), to_jax(pad, flat=True), key,
+                           shapes=(tuple(scores.shape), tuple(seq.shape), tuple(pos.shape)), do_sample=do_sample,
+                           has_eos=eos is not None)
+    return tuple(from_jax(o) for o in outs)
+
+
+def _host_setup(input_ids, mask, positions, left, padded, length, pad_value):
+    """The buffers of one call, built on the host from the prompt (a few small copies, no device
+    program per prompt length): the left-padded prompt, the ``[batch, length]`` sequence buffer and
+    attention mask, the prompt's position ids, and the next position per row."""
+    pad = torch.nn.functional.pad
+    ids = input_ids.cpu()
+    mask = torch.ones_like(ids) if mask is None else mask.cpu().long()
+    if positions is None:
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # Hugging Face's position ids
+    else:
+        positions = positions.cpu()
+    prefill_ids = pad(ids, (left, 0), value=pad_value)
+    seq = pad(prefill_ids, (0, length - padded), value=pad_value)
+    full_mask = pad(pad(mask, (left, 0), value=0), (0, length - padded), value=1)
+    return prefill_ids, seq, full_mask, pad(positions, (left, 0), value=0), positions[:, -1:] + 1
 
 
 def _fixed_shape_sample(model, input_ids, logits_processor, stopping_criteria, cfg, model_kwargs):
@@ -175,7 +266,7 @@ def _fixed_shape_sample(model, input_ids, logits_processor, stopping_criteria, c
     new_tokens = max(max_length - prompt, 0)
     dev = input_ids.device
     eos = [c.eos_token_id for c in stopping_criteria if isinstance(c, EosTokenCriteria)]
-    eos = torch.cat([e.reshape(-1).to(dev) for e in eos]) if eos else None
+    eos = torch.cat([e.reshape(-1).cpu() for e in eos]).to(dev) if eos else None
     pad_value = cfg._pad_token_tensor
     pad_value = int(pad_value) if pad_value is not None else 0
     if new_tokens == 0:
@@ -184,55 +275,30 @@ def _fixed_shape_sample(model, input_ids, logits_processor, stopping_criteria, c
     padded = LENGTHS.bucket(prompt)
     left = padded - prompt
     length = LENGTHS.bucket(padded + new_tokens)
-    mask = model_kwargs.get("attention_mask")
-    if mask is None:
-        mask = torch.ones_like(input_ids)
-    positions = model_kwargs.get("position_ids")
-    if positions is None:
-        positions = mask.long().cumsum(-1) - 1
-        positions = positions.masked_fill(mask == 0, 0)
-
-    pad = torch.nn.functional.pad
-    prefill_ids = pad(input_ids, (left, 0), value=pad_value)
-    seq = pad(prefill_ids, (0, length - padded), value=pad_value)  # the sequence buffer
-    full_mask = pad(pad(mask.long(), (left, 0), value=0), (0, length - padded), value=1)
-    prefill_pos = pad(positions, (left, 0), value=0)
-    pos = positions[:, -1:] + 1  # the position of the next token fed, per row
-    write_at = torch.tensor([padded], dtype=torch.long, device=dev)  # the buffer column of the next token
-    unfinished = torch.ones(batch, dtype=torch.long, device=dev)
-    steps_alive = torch.zeros((), dtype=torch.long, device=dev)  # steps after which some row was unfinished
+    host = _host_setup(input_ids, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"), left,
+                       padded, length, pad_value)
+    prefill_ids, seq, full_mask, prefill_pos, pos = (t.to(dev) for t in host)
+    write_at = torch.tensor(padded, dtype=torch.long).to(dev)  # the buffer column of the next token
+    unfinished = torch.ones(batch, dtype=torch.long).to(dev)
+    steps_alive = torch.zeros((), dtype=torch.long).to(dev)  # steps after which some row was unfinished
+    pad_t = torch.tensor(pad_value, dtype=torch.long).to(dev)
 
     cache = StaticCache(config=model.config, max_cache_len=length)
     common = dict(attention_mask=full_mask, past_key_values=cache, use_cache=True, return_dict=True)
     if model._supports_logits_to_keep():
         common["logits_to_keep"] = 1
-    out = _compiled(model, "prefill")(input_ids=prefill_ids, position_ids=prefill_pos, **common)
-    decode = _compiled(model, "decode")
-    pad_t = torch.tensor(pad_value, dtype=torch.long, device=dev)
+    forward = _programs(model)
+    feed = dict(input_ids=prefill_ids, position_ids=prefill_pos, **common)
     done = new_tokens
     for step in range(new_tokens):
-        logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
-        del out
-        scores = logits_processor(seq[:, left:padded + step], logits)
-        if cfg.do_sample:
-            probs = torch.nn.functional.softmax(scores, dim=-1)
-            token = torch.multinomial(probs, num_samples=1).squeeze(1)
-        else:
-            token = torch.argmax(scores, dim=-1)
-        if eos is not None:
-            token = token * unfinished + pad_t * (1 - unfinished)
-        seq.index_copy_(1, write_at, token[:, None])
-        write_at.add_(1)
-        if eos is not None:
-            unfinished = unfinished & ~torch.isin(token, eos)
-            alive = unfinished.max()
-            steps_alive.add_(alive)
-            if (step + 1) % SYNC_EVERY == 0 and step + 1 < new_tokens and int(alive) == 0:
-                done = int(steps_alive) + 1
-                break
-        if step + 1 < new_tokens:
-            out = decode(input_ids=token[:, None], position_ids=pos, **common)
-            pos.add_(1)
+        scores = logits_processor(seq[:, left:padded + step], forward(**feed))
+        token, seq, write_at, unfinished, steps_alive, alive, next_pos = _select(
+            scores, seq, write_at, unfinished, steps_alive, pos, eos, pad_t, bool(cfg.do_sample))
+        if eos is not None and (step + 1) % SYNC_EVERY == 0 and step + 1 < new_tokens and int(alive) == 0:
+            done = int(steps_alive) + 1
+            break
+        feed = dict(input_ids=token, position_ids=pos, **common)
+        pos = next_pos
     if eos is not None and done == new_tokens:
         done = min(int(steps_alive) + 1, new_tokens)
     return seq[:, left:padded + done]

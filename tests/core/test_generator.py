@@ -120,3 +120,57 @@ def test_without_the_hooks_the_error_names_the_missing_hook():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "torch.Size([2])", out.stderr[-2000:]
     assert out.returncode != 0 and "getNewGenerator" in out.stderr, out.stderr[-2000:]
+
+
+@needs_hooks
+def test_default_generator_is_the_global_stream():
+    # torch.cuda.default_generators[i] is the stream torch.manual_seed seeds and random ops without generator= use
+    (g,) = torch.tpu.default_generators
+    assert g.device == torch.device("tpu", 0) and torch.tpu.default_generators[0] is g
+    torch.manual_seed(7)
+    assert g.initial_seed() == 7 and g.get_offset() == 0
+    a = torch.randn(16, device=TPU).cpu()
+    assert g.get_offset() == 1 and torch.tpu.get_rng_state().tolist() == [7, 1]
+    g.manual_seed(7)  # seeding the default generator is seeding the global stream
+    assert torch.equal(torch.randn(16, device=TPU).cpu(), a)
+    state = g.get_state()
+    b = torch.randn(16, device=TPU).cpu()
+    g.set_state(state)
+    assert torch.equal(torch.randn(16, device=TPU).cpu(), b)
+    torch.tpu.set_rng_state(torch.tensor([7, 1]))
+    assert g.get_offset() == 1 and torch.equal(torch.randn(16, device=TPU).cpu(), b)
+    with torch.random.fork_rng(device_type="tpu"):  # torch's own fork saves and restores it
+        torch.randn(16, device=TPU)
+    assert g.get_offset() == 2
+    # passing it explicitly draws from the same stream
+    g.manual_seed(7)
+    assert torch.equal(torch.randn(16, device=TPU, generator=g).cpu(), a)
+
+
+@needs_hooks
+def test_generator_inside_a_compiled_graph():
+    def noisy(x, gen):
+        return x + torch.randn(x.shape, device=x.device, generator=gen)
+
+    def dropped(x):
+        return torch.nn.functional.dropout(x, 0.5, training=True)
+
+    compiled, compiled_dropout = torch.compile(noisy, backend="tpu"), torch.compile(dropped, backend="tpu")
+    x = torch.zeros(64, device=TPU)
+    g = torch.Generator(device=TPU)
+    g.manual_seed(3)
+    eager = [noisy(x, g).cpu() for _ in range(2)]
+    g.manual_seed(3)
+    got = [compiled(x, g).cpu() for _ in range(2)]
+    assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])  # the same stream as eager
+    assert not torch.equal(got[0], got[1]) and g.get_offset() == 2  # each call advances it
+    torchtpu.metrics.reset()
+    g.manual_seed(3)
+    assert torch.equal(compiled(x, g).cpu(), eager[0])  # reseeding replays it, with no recompile
+    assert torchtpu.metrics.snapshot()["compiles"] == 0
+    # the default stream inside a graph: torch.manual_seed replays it, each call draws anew
+    torch.manual_seed(11)
+    d1, d2 = compiled_dropout(torch.ones(256, device=TPU)).cpu(), compiled_dropout(torch.ones(256, device=TPU)).cpu()
+    torch.manual_seed(11)
+    assert torch.equal(compiled_dropout(torch.ones(256, device=TPU)).cpu(), d1)
+    assert not torch.equal(d1, d2) and set(d1.unique().tolist()) == {0.0, 2.0}

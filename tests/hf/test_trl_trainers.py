@@ -1,5 +1,7 @@
 """TRL's GRPOTrainer unchanged on tpu: a tiny local Qwen2 and BPE tokenizer, a reward function, two
-steps; generation goes through torchtpu.hf_generate, the loss and optimizer step run on tpu."""
+steps; generation goes through torchtpu.hf_generate, the loss and optimizer step run on tpu. With
+sampling made deterministic (top_k=1) the same run on CPU gives the same losses and weights (float32
+and, under autocast, bfloat16)."""
 
 import pytest
 import torch
@@ -22,33 +24,52 @@ def _tokenizer():
                                                 pad_token="<pad>")
 
 
-def test_grpo_trainer_runs_unchanged_on_tpu(tmp_path):
-    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+def test_grpo_trainer_on_tpu_matches_cpu(tmp_path, bf16, metrics):
+    # top_k=1: every completion is the greedy one, token-exact on tpu and CPU (tests/hf/test_hf_generate.py),
+    # so the two runs see the same completions; the reward differs within each group (by its place in the
+    # batch), so the advantages, the loss and the update are not zero. SGD: Adam's first steps are
+    # lr * sign(grad), which turns rounding-level gradient differences on unused rows into lr-sized ones
     ds = datasets.Dataset.from_dict({"prompt": ["the answer is", "one plus two", "hello", "two is"]})
 
     def reward(completions, **kw):
-        return [len(c) / 10.0 for c in completions]
+        return [(i % 4) / 4 + len(c) / 100 for i, c in enumerate(completions)]
 
-    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                          max_completion_length=6, max_steps=2, learning_rate=1e-2, logging_steps=1,
-                          report_to="none", seed=0, save_strategy="no")
+    def run(use_cpu):
+        accelerate = pytest.importorskip("accelerate")
+        accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+        # a config per run: training sets model.config.use_cache = False, and the config object is shared
+        cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        args = trl.GRPOConfig(output_dir=str(tmp_path / str(use_cpu)), per_device_train_batch_size=4,
+                              num_generations=4, max_completion_length=6, max_steps=2, learning_rate=0.1,
+                              optim="sgd", logging_steps=1, report_to="none", seed=0, save_strategy="no", top_k=1,
+                              use_cpu=use_cpu, bf16=bf16)
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds,
+                                  processing_class=_tokenizer())
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        weights = {k: v.detach().cpu().float() for k, v in trainer.model.state_dict().items()}
+        accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+        return trainer.args.device.type, logs, weights
+
+    cpu_dev, cpu_logs, cpu_w = run(True)
     fast = torchtpu.hf_generate.stats()["fast_calls"]
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds,
-                              processing_class=_tokenizer())
-    assert trainer.args.device.type == "tpu"
-    trainer.train()
-    assert torchtpu.hf_generate.stats()["fast_calls"] >= fast + 2  # each step generated on tpu at fixed shapes
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
-    after = trainer.model.state_dict()
-    assert next(iter(after.values())).device.type == "tpu"
-    assert any(not torch.equal(after[k].cpu(), v) for k, v in before.items())  # the optimizer stepped on tpu
-    assert not torchtpu.metrics.snapshot()["cpu_fallbacks"]
+    tpu_dev, tpu_logs, tpu_w = run(False)
+    assert (cpu_dev, tpu_dev) == ("cpu", "tpu")
+    # each step generated on tpu at fixed shapes
+    assert torchtpu.hf_generate.stats()["fast_calls"] >= fast + 2, torchtpu.hf_generate.stats()
+    assert not metrics.snapshot()["cpu_fallbacks"]  # generation, loss and optimizer step all on tpu
+    tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-4, atol=1e-4)
+    for key in ("loss", "reward", "completions/mean_length", "grad_norm"):
+        got, want = torch.tensor([h[key] for h in tpu_logs]), torch.tensor([h[key] for h in cpu_logs])
+        torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{key}: {m}")
+    assert any(h["grad_norm"] > 0 for h in cpu_logs)  # the update is real
+    for k in cpu_w:
+        torch.testing.assert_close(tpu_w[k], cpu_w[k], **tol)
 
 
 def test_hf_trainer_sft_matches_cpu(tmp_path):

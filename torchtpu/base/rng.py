@@ -3,6 +3,11 @@
 Each random op takes the next counter value, so the executable is not
 recompiled per call and ``torch.manual_seed`` makes tpu randomness
 reproducible.
+
+With the C++ hooks built (runtime/pinned.py), the seed and the counter live in the hooks' default
+tpu generator (``torch.tpu.default_generators[0]``, its ``initial_seed()`` and ``get_offset()``),
+so seeding or reading that generator is seeding or reading this stream, as on CUDA; without them
+they live here.
 """
 
 from __future__ import annotations
@@ -15,26 +20,51 @@ import numpy as np
 _lock = threading.Lock()
 _seed = 0
 _counter = 0
+_default = None  # the default tpu torch.Generator, once the C++ hooks provide one
+
+
+def use_default_generator(generator) -> None:
+    """Keep the global stream in ``generator`` (the hooks' default one) from now on, where it is."""
+    global _default
+    with _lock:
+        generator.manual_seed(_seed)
+        generator.set_offset(_counter)
+        _default = generator
+
+
+def default_generator():
+    """The default tpu ``torch.Generator`` (None without the C++ hooks)."""
+    return _default
 
 
 def manual_seed(seed: int) -> None:
     global _seed, _counter
     with _lock:
+        if _default is not None:
+            _default.manual_seed(int(seed) & 0xFFFFFFFFFFFFFFFF)  # its offset restarts at 0
+            return
         _seed = int(seed) & 0xFFFFFFFFFFFFFFFF
         _counter = 0
 
 
 def initial_seed() -> int:
-    return _seed
+    return _default.initial_seed() if _default is not None else _seed
 
 
 def get_state():
+    if _default is not None:
+        with _lock:
+            return (_default.initial_seed(), _default.get_offset())
     return (_seed, _counter)
 
 
 def set_state(state):
     global _seed, _counter
     with _lock:
+        if _default is not None:
+            _default.manual_seed(int(state[0]))
+            _default.set_offset(int(state[1]))
+            return
         _seed, _counter = int(state[0]), int(state[1])
 
 
@@ -50,6 +80,10 @@ def next_key_data(generator=None):
         generator.set_offset(c + 1)
         return key_data(seed, c)
     with _lock:
+        if _default is not None:
+            c = _default.get_offset()
+            _default.set_offset(c + 1)
+            return key_data(_default.initial_seed(), c)
         c = _counter
         _counter += 1
     return key_data(_seed, c)

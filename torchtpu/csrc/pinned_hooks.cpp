@@ -2,7 +2,8 @@
 // PrivateUse1HooksInterface (its Python hooks class forwards is_available / has_primary_context /
 // is_built only): the pinned host allocator (getPinnedMemoryAllocator), "is this pointer pinned"
 // (isPinnedPtr), both needed by DDP's reducer (static_graph, find_unused_parameters) and
-// pin_memory(), and new generators (getNewGenerator: torch.Generator(device="tpu")).
+// pin_memory(), and generators: new ones (getNewGenerator: torch.Generator(device="tpu")) and the
+// default one (getDefaultGenerator: torch.tpu.default_generators[0], the stream torch.manual_seed seeds).
 // Everything else stays in Python (torchtpu/runtime/device.py); this file answers what the Python
 // hooks answered (built, available, a primary context) plus those three.
 //
@@ -10,11 +11,13 @@
 // (XLA stages host->device copies itself, so locking only spares the kernel paging them out); a
 // block mlock refuses stays an ordinary allocation. Either way it is this allocator's block, and
 // isPinnedPtr answers true for any address inside a live block.
+#include <ATen/Context.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/Generator.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/GeneratorImpl.h>
+#include <torch/csrc/Generator.h>  // THPGenerator_initDefaultGenerator (libtorch_python, no pybind11)
 
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -174,6 +177,14 @@ struct TPUHooks final : public at::PrivateUse1HooksInterface {
                 static_cast<int>(device_index));
     return at::make_generator<TPUGeneratorImpl>(device_index);
   }
+  // The process's global tpu stream (torchtpu/base/rng.py keeps its seed and offset here), as
+  // at::cuda::detail::getDefaultCUDAGenerator is CUDA's: one per process, never freed.
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex device_index) const override {
+    TORCH_CHECK(device_index <= 0, "the default tpu generator: tpu has one device per process (tpu or tpu:0), got tpu:",
+                static_cast<int>(device_index));
+    static const at::Generator default_generator = at::make_generator<TPUGeneratorImpl>(0);
+    return default_generator;
+  }
 };
 
 }  // namespace
@@ -187,6 +198,18 @@ int torchtpu_register_hooks() {
   static TPUHooks hooks;  // lives as long as the process, as torch requires
   at::RegisterPrivateUse1HooksInterface(&hooks);
   return 1;
+}
+
+// The default generator as a torch.Generator (a new Python object; runtime/pinned.py makes it once and
+// keeps it), or nullptr with a Python error set. Called through ctypes.PyDLL, holding the GIL.
+PyObject* torchtpu_default_generator() {
+  try {
+    return THPGenerator_initDefaultGenerator(
+        at::globalContext().defaultGenerator(c10::Device(c10::DeviceType::PrivateUse1, 0)));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
 }
 
 // live blocks, live bytes, page-locked bytes, allocations so far

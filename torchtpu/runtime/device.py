@@ -588,6 +588,8 @@ def register() -> None:
     torch._register_device_module("tpu", module)
     if not pinned.register_hooks():  # the C++ hooks with the pinned allocator, when built
         torch._C._acc.register_python_privateuseone_hook(_Hooks())
+    # as torch.cuda.default_generators: one per device; empty without the C++ hooks (no tpu Generator then)
+    module.default_generators = (rng.default_generator(),) if rng.default_generator() is not None else ()
     torch._C._acc.register_python_privateuseone_device_guard(_Guard())
     _install_accelerator()
     _install_kernels()

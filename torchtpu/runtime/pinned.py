@@ -21,7 +21,9 @@ and ``torch.Generator(device="tpu")`` raises torch's ``NotImplementedError`` nam
 says which hooks serve the process.
 
 A tpu generator holds a seed and an offset; the random ops' kernels take their JAX key from them
-(``torchtpu/base/rng.py``) and advance the offset.
+(``torchtpu/base/rng.py``) and advance the offset. The hooks' default generator
+(``getDefaultGenerator``) holds the global stream's seed and offset, so ``torch.manual_seed``,
+``torch.tpu.get_rng_state`` and ``torch.tpu.default_generators[0]`` are one stream, as on CUDA.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import os
 import sys
 
 import torch
+
+from ..base import rng
 
 _SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "pinned_hooks.cpp")
 _BUILD_DIR = os.path.join(os.path.dirname(_SOURCE), "build")
@@ -96,6 +100,9 @@ def register_hooks() -> bool:
             "earlier torch._C._acc.register_python_privateuseone_hook), so tpu's pinned allocator cannot be"
         )
     _lib = lib
+    get_default = ctypes.PyDLL(path).torchtpu_default_generator  # holds the GIL, raises a set error
+    get_default.restype = ctypes.py_object
+    rng.use_default_generator(get_default())
     return True
 
 
