@@ -75,32 +75,38 @@ def completion_text(answer) -> str:
     return f"The answer is {answer}."
 
 
-def build_tokenizer(rows, vocab_size: int = 192):
-    """A byte-level BPE tokenizer trained on the task's text, with the chat template, as a
-    ``transformers`` fast tokenizer."""
+def bpe_tokenizer(corpus, vocab_size: int, specials=None, chat_template: str = None, initial_alphabet=()):
+    """A byte-level BPE tokenizer trained on ``corpus``, with ``specials`` and the chat template, as a
+    ``transformers`` fast tokenizer (shared with the tool example)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = [r["messages"][0]["content"] + " " + completion_text(r["answer"]) for r in rows]
     tok = Tokenizer(models.BPE())
     # digits stay single tokens: numbers are read digit by digit, as most LLM tokenizers do
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials or SPECIALS,
+                                  initial_alphabet=list(initial_alphabet))
     tok.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   chat_template=CHAT_TEMPLATE)
+                                   chat_template=chat_template or CHAT_TEMPLATE)
 
 
-def build_model(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0):
+def build_tokenizer(rows, vocab_size: int = 192):
+    """The task's tokenizer, trained on its prompts and completions."""
+    return bpe_tokenizer([r["messages"][0]["content"] + " " + completion_text(r["answer"]) for r in rows], vocab_size)
+
+
+def build_model(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0,
+                max_positions: int = 128):
     """A small randomly initialized Qwen2ForCausalLM for ``tokenizer``."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 3,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                      max_position_embeddings=128, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                      max_position_embeddings=max_positions, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -109,24 +115,30 @@ def build_model(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, se
 
 def sft(model, tokenizer, rows, steps: int, batch: int = 32, lr: float = 3e-3, device: str = "tpu", seed: int = 0,
         log=print) -> list:
-    """Supervised warm-up on the completions (prompt tokens masked out of the loss), one
-    fixed (batch, length) shape so the compiled step is built once."""
-    import torch
-
+    """Supervised warm-up on the completions (prompt tokens masked out of the loss)."""
     enc = []
     for r in rows:
         prompt = tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         c = tokenizer(completion_text(r["answer"]) + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
-        enc.append((p, c))
-    L = max(len(p) + len(c) for p, c in enc)
-    ids = torch.full((len(enc), L), tokenizer.pad_token_id, dtype=torch.int64)
+        enc.append((p + c, [False] * len(p) + [True] * len(c)))
+    return sft_on(model, tokenizer.pad_token_id, enc, steps, batch=batch, lr=lr, device=device, seed=seed, log=log)
+
+
+def sft_on(model, pad_id: int, enc, steps: int, batch: int = 32, lr: float = 3e-3, device: str = "tpu",
+           seed: int = 0, log=print) -> list:
+    """Supervised steps on ``enc``, a list of (token ids, loss mask), padded to one (batch, length) shape so the
+    compiled step is built once. Returns ``[(step, loss)]`` every 25 steps."""
+    import torch
+
+    L = max(len(i) for i, _ in enc)
+    ids = torch.full((len(enc), L), pad_id, dtype=torch.int64)
     labels = torch.full((len(enc), L), -100, dtype=torch.int64)
     mask = torch.zeros((len(enc), L), dtype=torch.int64)
-    for i, (p, c) in enumerate(enc):
-        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
-        labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
-        mask[i, :len(p) + len(c)] = 1
+    for k, (i, m) in enumerate(enc):
+        ids[k, :len(i)] = torch.tensor(i)
+        mask[k, :len(i)] = 1
+        labels[k, :len(i)] = torch.where(torch.tensor(m), torch.tensor(i), torch.tensor(-100))
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 

@@ -29,6 +29,10 @@ import subprocess
 import sys
 import time
 
+# the text example's recipes (its directory is this script's: on sys.path when run as a script)
+from rl_text_arith import bpe_tokenizer, sft_on, write_jsonl
+from rl_text_arith import build_model as text_arith_model
+
 NAMES = ["Tom", "Ann", "Sam", "Mia", "Leo", "Zoe", "Max", "Eva", "Ben", "Ivy"]
 ITEMS = ["apples", "pens", "books", "cards", "shells", "coins", "stickers", "marbles"]
 GAIN = ["buys {b} more", "finds {b} more", "gets {b} more"]
@@ -87,37 +91,21 @@ def guess_text(answer) -> str:
 
 
 def build_tokenizer(rows, vocab_size: int = 384):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """The text example's BPE recipe on this task's text; every byte in the base alphabet, so any expression
+    the model writes is encodable, and the tool-call markers as ordinary added tokens."""
+    from tokenizers import pre_tokenizers
 
     corpus = []
     for r in rows:
         corpus += [r["messages"][0]["content"], tool_call_text(r["expression"]), answer_text(r["answer"]),
                    guess_text(r["answer"]), "error: tools: calculator"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    # every byte in the base alphabet: any expression the model writes is encodable
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   chat_template=CHAT_TEMPLATE)
+    fast = bpe_tokenizer(corpus, vocab_size, SPECIALS, CHAT_TEMPLATE, pre_tokenizers.ByteLevel.alphabet())
     fast.add_tokens(TOOL_TOKENS)
     return fast
 
 
 def build_model(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0):
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 3,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                      max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return Qwen2ForCausalLM(cfg)
+    return text_arith_model(tokenizer, hidden, layers, heads, seed, max_positions=256)
 
 
 def conversation_tokens(tokenizer, row, use_tool: bool, rng: random.Random) -> tuple:
@@ -150,43 +138,11 @@ def conversation_tokens(tokenizer, row, use_tool: bool, rng: random.Random) -> t
 
 def sft(model, tokenizer, rows, steps: int, tool_fraction: float, batch: int = 32, lr: float = 3e-3,
         device: str = "tpu", seed: int = 0, log=print) -> list:
-    import torch
-
+    """Warm-up on whole conversations (a ``tool_fraction`` of them call the calculator), loss on the
+    assistant's tokens only."""
     rng = random.Random(seed)
     enc = [conversation_tokens(tokenizer, r, rng.random() < tool_fraction, rng) for r in rows]
-    L = max(len(i) for i, _ in enc)
-    ids = torch.full((len(enc), L), tokenizer.pad_token_id, dtype=torch.int64)
-    labels = torch.full((len(enc), L), -100, dtype=torch.int64)
-    am = torch.zeros((len(enc), L), dtype=torch.int64)
-    for k, (i, m) in enumerate(enc):
-        ids[k, :len(i)] = torch.tensor(i)
-        am[k, :len(i)] = 1
-        labels[k, :len(i)] = torch.where(torch.tensor(m), torch.tensor(i), torch.tensor(-100))
-    model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-
-    def loss_fn(ids, am, labels):
-        return model(input_ids=ids, attention_mask=am, labels=labels).loss
-
-    loss_c = torch.compile(loss_fn, backend="tpu") if device == "tpu" else loss_fn
-    g = torch.Generator().manual_seed(seed)
-    losses = []
-    for s in range(steps):
-        idx = torch.randint(0, len(enc), (batch,), generator=g)
-        loss = loss_c(ids[idx].to(device), am[idx].to(device), labels[idx].to(device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if s % 25 == 0 or s == steps - 1:
-            losses.append((s, float(loss.detach().cpu())))
-            log(f"sft step {s}: loss {losses[-1][1]:.3f}")
-    return losses
-
-
-def write_jsonl(path: str, rows) -> None:
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    return sft_on(model, tokenizer.pad_token_id, enc, steps, batch=batch, lr=lr, device=device, seed=seed, log=log)
 
 
 def prepare(out: str, *, n_train: int = 2000, n_eval: int = 200, hidden: int = 64, layers: int = 2,

@@ -28,11 +28,10 @@ Built-ins:
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import os
 from typing import Optional
+
+from .plugins import import_target
 
 __all__ = ["BUILTINS", "EnvSpecError", "EchoTurnsEnv", "MathFeedbackEnv", "resolve_env", "check_env_class"]
 
@@ -121,21 +120,7 @@ def resolve_env(spec) -> type:
     if not sep or not target or not attr:
         raise EnvSpecError(f"--env {spec!r}: not a built-in ({', '.join(sorted(BUILTINS))}); give MODULE:CLASS or "
                            "path/to/file.py:CLASS")
-    if target.endswith(".py"):
-        path = os.path.abspath(target)
-        if not os.path.isfile(path):
-            raise EnvSpecError(f"--env {spec!r}: file {target!r} does not exist")
-        mspec = importlib.util.spec_from_file_location(f"_env_{os.path.splitext(os.path.basename(path))[0]}", path)
-        mod = importlib.util.module_from_spec(mspec)
-        try:
-            mspec.loader.exec_module(mod)
-        except Exception as e:  # noqa: BLE001 - re-raised naming the flag
-            raise EnvSpecError(f"--env {spec!r}: importing {target!r} raised {type(e).__name__}: {e}") from e
-    else:
-        try:
-            mod = importlib.import_module(target)
-        except Exception as e:  # noqa: BLE001
-            raise EnvSpecError(f"--env {spec!r}: cannot import module {target!r} ({type(e).__name__}: {e})") from e
+    mod = import_target(target, f"--env {spec!r}", EnvSpecError, "_env")
     cls = getattr(mod, attr, None)
     if cls is None:
         raise EnvSpecError(f"--env {spec!r}: {target!r} has no {attr!r}")

@@ -31,13 +31,12 @@ Built-ins (:data:`BUILTINS`, by name on the command line):
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
-import os
 import re
 from fractions import Fraction
 from typing import Callable, Optional, Sequence
+
+from .plugins import import_target
 
 __all__ = [
     "BUILTINS",
@@ -227,18 +226,7 @@ def resolve_reward(spec: str, **options) -> tuple:
         raise ValueError(f"unknown reward {spec!r}: use a built-in ({', '.join(BUILTINS)}) or MODULE:FUNCTION "
                          f"(or path/to/file.py:FUNCTION)")
     mod_name, _, fn_name = spec.rpartition(":")
-    try:
-        if mod_name.endswith(".py"):
-            path = os.path.abspath(mod_name)
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"no file {path!r}")
-            mspec = importlib.util.spec_from_file_location(f"_reward_{abs(hash(path))}", path)
-            module = importlib.util.module_from_spec(mspec)
-            mspec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(mod_name)
-    except Exception as e:  # noqa: BLE001 - re-raised naming the spec
-        raise ValueError(f"reward {spec!r}: cannot import {mod_name!r}: {type(e).__name__}: {e}") from e
+    module = import_target(mod_name, f"reward {spec!r}", ValueError, "_reward")
     fn = getattr(module, fn_name, None)
     if fn is None:
         raise ValueError(f"reward {spec!r}: {mod_name!r} has no attribute {fn_name!r}")

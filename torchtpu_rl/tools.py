@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib
-import importlib.util
 import io
 import json
 import math
@@ -33,6 +31,8 @@ import os
 import re
 import sys
 from typing import Callable, Optional, Sequence
+
+from .plugins import import_target
 
 __all__ = ["BUILTINS", "Tool", "ToolCall", "ToolCallError", "calculator", "check_template_renders_tools",
            "parse_tool_calls", "python", "resolve_tools", "tool_schema"]
@@ -142,27 +142,13 @@ def _load_ref(spec: str) -> tuple:
     if not sep or not target or not attr:
         raise ToolSpecError(f"--tools {spec!r}: give a built-in name ({', '.join(BUILTINS)}), MODULE:FUNCTION or "
                             "path/to/file.py:FUNCTION")
+    mod = import_target(target, f"--tools {spec!r}", ToolSpecError, "_tools")
     if target.endswith(".py"):
-        path = os.path.abspath(target)
-        if not os.path.isfile(path):
-            raise ToolSpecError(f"--tools {spec!r}: file {target!r} does not exist")
-        mspec = importlib.util.spec_from_file_location(f"_tools_{abs(hash(path))}", path)
-        mod = importlib.util.module_from_spec(mspec)
-        try:
-            mspec.loader.exec_module(mod)
-        except Exception as e:  # noqa: BLE001 - re-raised naming the spec
-            raise ToolSpecError(f"--tools {spec!r}: importing {target!r} raised {type(e).__name__}: {e}") from e
-        ref, extra = f"{path}:{attr}", ()
+        ref, extra = f"{os.path.abspath(target)}:{attr}", ()
     else:
-        try:
-            mod = importlib.import_module(target)
-        except Exception as e:  # noqa: BLE001
-            raise ToolSpecError(f"--tools {spec!r}: cannot import module {target!r} ({type(e).__name__}: {e})") from e
-        ref = spec
+        ref, extra = spec, ()
         f = getattr(mod, "__file__", None)
-        # where the module's top package lives, so the child finds it too
-        extra = ()
-        if f:  # the directory the module's top package sits in, so the child imports it too
+        if f:  # the directory the module's top package sits in, so the sandboxed child imports it too
             root = os.path.dirname(os.path.abspath(f))
             ups = len(target.split(".")) - (0 if os.path.basename(f) == "__init__.py" else 1)
             for _ in range(ups):

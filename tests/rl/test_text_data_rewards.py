@@ -171,7 +171,7 @@ def test_resolve_reward_by_name_module_and_file(tmp_path, monkeypatch):
     assert name == "short" and fn(prompts=["", ""], completions=["ok", "too long"]) == [1.0, 0.0]
     with pytest.raises(ValueError, match="unknown reward 'nope'.*built-in"):
         rewards.resolve_reward("nope")
-    with pytest.raises(ValueError, match="cannot import 'no_such_module_xyz'"):
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
         rewards.resolve_reward("no_such_module_xyz:f")
     with pytest.raises(ValueError, match="has no attribute 'missing'"):
         rewards.resolve_reward(f"{f}:missing")
