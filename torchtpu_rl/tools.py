@@ -32,8 +32,6 @@ import re
 import sys
 from typing import Callable, Optional, Sequence
 
-from .plugins import import_target
-
 __all__ = ["BUILTINS", "Tool", "ToolCall", "ToolCallError", "calculator", "check_template_renders_tools",
            "parse_tool_calls", "python", "resolve_tools", "tool_schema"]
 
@@ -142,6 +140,8 @@ def _load_ref(spec: str) -> tuple:
     if not sep or not target or not attr:
         raise ToolSpecError(f"--tools {spec!r}: give a built-in name ({', '.join(BUILTINS)}), MODULE:FUNCTION or "
                             "path/to/file.py:FUNCTION")
+    from .plugins import import_target  # (not at the top: the sandboxed child loads this file by path)
+
     mod = import_target(target, f"--tools {spec!r}", ToolSpecError, "_tools")
     if target.endswith(".py"):
         ref, extra = f"{os.path.abspath(target)}:{attr}", ()
