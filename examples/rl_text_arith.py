@@ -171,12 +171,23 @@ def prepare(out: str, *, n_train: int = 2000, n_eval: int = 200, max_operand: in
             log=print) -> dict:
     """Data, tokenizer, model (+ warm-up) in ``out``: ``data/train.jsonl``, ``data/eval.jsonl``, ``model/``."""
     train, held = make_splits(n_train, n_eval, seed, max_operand)
-    os.makedirs(os.path.join(out, "data"), exist_ok=True)
-    write_jsonl(os.path.join(out, "data", "train.jsonl"), train)
-    write_jsonl(os.path.join(out, "data", "eval.jsonl"), held)
+    write_splits(out, train, held)
     tokenizer = build_tokenizer(train)
     model = build_model(tokenizer, hidden, layers, seed=seed)
     losses = sft(model, tokenizer, train, sft_steps, lr=sft_lr, device=device, seed=seed, log=log) if sft_steps else []
+    return save_prepared(out, model, tokenizer, losses, device)
+
+
+def write_splits(out: str, train, held) -> None:
+    """``out/data/train.jsonl`` and ``out/data/eval.jsonl``."""
+    os.makedirs(os.path.join(out, "data"), exist_ok=True)
+    write_jsonl(os.path.join(out, "data", "train.jsonl"), train)
+    write_jsonl(os.path.join(out, "data", "eval.jsonl"), held)
+
+
+def save_prepared(out: str, model, tokenizer, sft_losses, device: str) -> dict:
+    """The warmed-up model and tokenizer as a Hugging Face directory ``out/model``, and what ``prepare``
+    returns: the paths, the vocabulary and parameter counts, the warm-up losses."""
     from torchtpu_rl import hf
 
     model_dir = os.path.join(out, "model")
@@ -186,7 +197,7 @@ def prepare(out: str, *, n_train: int = 2000, n_eval: int = 200, max_operand: in
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
     return {"model": model_dir, "train": os.path.join(out, "data", "train.jsonl"),
-            "eval": os.path.join(out, "data", "eval.jsonl"), "vocab": len(tokenizer), "sft_losses": losses,
+            "eval": os.path.join(out, "data", "eval.jsonl"), "vocab": len(tokenizer), "sft_losses": sft_losses,
             "parameters": sum(p.numel() for p in model.parameters())}
 
 

@@ -30,7 +30,7 @@ import sys
 import time
 
 # the text example's recipes (its directory is this script's: on sys.path when run as a script)
-from rl_text_arith import bpe_tokenizer, sft_on, write_jsonl
+from rl_text_arith import bpe_tokenizer, save_prepared, sft_on, write_splits
 from rl_text_arith import build_model as text_arith_model
 
 NAMES = ["Tom", "Ann", "Sam", "Mia", "Leo", "Zoe", "Max", "Eva", "Ben", "Ivy"]
@@ -148,24 +148,12 @@ def sft(model, tokenizer, rows, steps: int, tool_fraction: float, batch: int = 3
 def prepare(out: str, *, n_train: int = 2000, n_eval: int = 200, hidden: int = 64, layers: int = 2,
             sft_steps: int = 500, tool_fraction: float = 0.45, seed: int = 0, device: str = "tpu", log=print) -> dict:
     train, held = make_splits(n_train, n_eval, seed)
-    os.makedirs(os.path.join(out, "data"), exist_ok=True)
-    write_jsonl(os.path.join(out, "data", "train.jsonl"), train)
-    write_jsonl(os.path.join(out, "data", "eval.jsonl"), held)
+    write_splits(out, train, held)
     tokenizer = build_tokenizer(train)
     model = build_model(tokenizer, hidden, layers, seed=seed)
     losses = sft(model, tokenizer, train, sft_steps, tool_fraction, device=device, seed=seed,
                  log=log) if sft_steps else []
-    from torchtpu_rl import hf
-
-    model_dir = os.path.join(out, "model")
-    if device != "cpu":
-        hf.save_hf(model, tokenizer, model_dir)
-    else:
-        model.save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
-    return {"model": model_dir, "train": os.path.join(out, "data", "train.jsonl"),
-            "eval": os.path.join(out, "data", "eval.jsonl"), "vocab": len(tokenizer), "sft_losses": losses,
-            "parameters": sum(p.numel() for p in model.parameters())}
+    return save_prepared(out, model, tokenizer, losses, device)
 
 
 def train_command(prep: dict, args) -> list:

@@ -6,7 +6,7 @@ the same run under CPU autocast within bfloat16's tolerance, with no op falling 
 import pytest
 import torch
 
-from helpers import no_fallback
+from helpers import no_fallback, tiny_hf_causal_lm
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
@@ -21,9 +21,6 @@ def _reset_accelerate():
 
 
 def test_hf_trainer_bf16_step_on_tpu_matches_cpu_autocast(tmp_path):
-    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 64, (8, 12), generator=g)
     ds = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
@@ -31,7 +28,7 @@ def test_hf_trainer_bf16_step_on_tpu_matches_cpu_autocast(tmp_path):
     def run(use_cpu):
         _reset_accelerate()
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model = tiny_hf_causal_lm(num_layers=1, max_position_embeddings=64)
         seen = []  # (output dtype of a linear layer, autocast on for the model's device)
         model.model.layers[0].mlp.down_proj.register_forward_hook(
             lambda m, i, o: seen.append((o.dtype, torch.is_autocast_enabled(o.device.type))))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import torchtpu
+from helpers import tiny_hf_causal_lm
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
@@ -38,12 +39,9 @@ def test_grpo_trainer_on_tpu_matches_cpu(tmp_path, bf16, metrics):
     def run(use_cpu):
         accelerate = pytest.importorskip("accelerate")
         accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
-        # a config per run: training sets model.config.use_cache = False, and the config object is shared
-        cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        # a config per run: training sets model.config.use_cache = False, so a shared config would leak it
+        model = tiny_hf_causal_lm(num_layers=1, max_position_embeddings=128)
         args = trl.GRPOConfig(output_dir=str(tmp_path / str(use_cpu)), per_device_train_batch_size=4,
                               num_generations=4, max_completion_length=6, max_steps=2, learning_rate=0.1,
                               optim="sgd", logging_steps=1, report_to="none", seed=0, save_strategy="no", top_k=1,
@@ -73,16 +71,13 @@ def test_grpo_trainer_on_tpu_matches_cpu(tmp_path, bf16, metrics):
 
 
 def test_hf_trainer_sft_matches_cpu(tmp_path):
-    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 64, (8, 12), generator=g)
     ds = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
     def run(use_cpu):
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model = tiny_hf_causal_lm(num_layers=1, max_position_embeddings=64)
         args = transformers.TrainingArguments(output_dir=str(tmp_path / str(use_cpu)), per_device_train_batch_size=4,
                                               max_steps=3, learning_rate=1e-2, logging_steps=1, report_to="none",
                                               seed=0, save_strategy="no", use_cpu=use_cpu, dataloader_num_workers=0)
