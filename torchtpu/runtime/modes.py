@@ -26,6 +26,7 @@ _global_mode = None
 # engine runs a tpu backward in its own device thread, which has no thread-local
 # mode: without this, ``loss.backward()`` inside a DeferAndFuse block ran strict.
 _scoped: list = []
+_scoped_lock = threading.Lock()  # blocks open and close in several threads at once
 _graph_task_id = torch._C._current_graph_task_id
 
 
@@ -78,13 +79,15 @@ def execution_mode(mode: str):
     RECORDER.flush("mode_switch")
     prev = getattr(_state, "mode", None)
     _state.mode = mode
-    _scoped.append(mode)
+    with _scoped_lock:
+        _scoped.append(mode)
     try:
         yield
     finally:
         RECORDER.flush("mode_switch")
         _state.mode = prev
-        del _scoped[len(_scoped) - 1 - _scoped[::-1].index(mode)]  # this block's entry (the last equal one)
+        with _scoped_lock:  # this block's entry (the last equal one)
+            del _scoped[len(_scoped) - 1 - _scoped[::-1].index(mode)]
 
 
 def synchronize() -> None:
